@@ -1,0 +1,444 @@
+//! Completion channels and completion queues (`ibv_cq` and `ibv_cq_ex`).
+
+use super::boundary::{ffi_boundary, set_errno, status, Fallback};
+use super::layout::{owned_context, ChannelShell, ContextShell, CqShell, CHANNELS};
+use super::{ops, passthrough};
+use crate::engine::Engine;
+use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
+use crate::fake_verbs::device;
+use crate::fake_verbs::work::WorkCompletion;
+use crate::fake_verbs::VerbsError;
+use crate::sys::*;
+use std::cell::UnsafeCell;
+use std::os::raw::{c_int, c_uint, c_void};
+use std::sync::Arc;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel {
+    ffi_boundary!("ibv_create_comp_channel", {
+        // SAFETY: from_raw checks ownership before dereferencing.
+        let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
+            return match passthrough::ibv_create_comp_channel() {
+                // SAFETY: not ours, so the real library's context.
+                Some(real) if !ctx.is_null() => unsafe { real(ctx) },
+                _ => <*mut ibv_comp_channel>::fail(libc::EINVAL),
+            };
+        };
+        match CompletionChannel::new(Arc::clone(&shell.inner)) {
+            Ok(ch) => {
+                let ibv = ibv_comp_channel { context: ctx, fd: ch.events.fd(), refcnt: 0 };
+                let raw = ChannelShell::into_raw(Box::new(ChannelShell { ibv: UnsafeCell::new(ibv), inner: ch }));
+                CHANNELS.insert(raw as usize);
+                raw
+            }
+            Err(e) => <*mut ibv_comp_channel>::fail(e.errno()),
+        }
+    })
+}
+
+/// # Safety
+/// `ch` is NULL or a valid completion channel.
+unsafe fn our_channel<'a>(ch: *mut ibv_comp_channel) -> Option<&'a ChannelShell> {
+    if ch.is_null() || !CHANNELS.contains(&(ch as usize)) {
+        return None;
+    }
+    // SAFETY: registered in CHANNELS, so a live ChannelShell.
+    unsafe { ChannelShell::from_raw(ch) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
+    ffi_boundary!("ibv_destroy_comp_channel", {
+        // SAFETY: checked against the registry first.
+        let Some(shell) = (unsafe { our_channel(ch) }) else {
+            return match passthrough::ibv_destroy_comp_channel() {
+                // SAFETY: not ours, so the real library's channel.
+                Some(real) if !ch.is_null() => unsafe { real(ch) },
+                _ => c_int::fail(libc::EINVAL),
+            };
+        };
+        if let Err(e) = shell.inner.check_destroyable() {
+            return status(Err(e));
+        }
+        CHANNELS.remove(&(ch as usize));
+        // SAFETY: ours; the application gives it up here.
+        unsafe { ChannelShell::destroy(ch) };
+        0
+    })
+}
+
+fn create_cq(ctx: *mut ibv_context, shell: &ContextShell, cqe: i64, cq_context: *mut c_void, channel: *mut ibv_comp_channel, comp_vector: i64) -> Result<*mut ibv_cq_ex, VerbsError> {
+    if cqe < 1 || cqe > i64::from(device::MAX_CQE) {
+        return Err(VerbsError::Invalid("cqe out of range"));
+    }
+    if comp_vector < 0 || comp_vector >= 1 {
+        return Err(VerbsError::Invalid("comp_vector out of range"));
+    }
+    let channel_obj = if channel.is_null() {
+        None
+    } else {
+        // SAFETY: checked against the registry.
+        match unsafe { our_channel(channel) } {
+            Some(ch) => Some(Arc::clone(&ch.inner)),
+            None => return Err(VerbsError::Invalid("completion channel is not ugdr's")),
+        }
+    };
+    let cq = CompletionQueue::new(Arc::clone(&shell.inner), cqe as usize, channel_obj);
+    let mut ibv = ibv_cq_ex { context: ctx, channel, cq_context, cqe: cqe as c_int, ..Default::default() };
+    ops::install_cq_ops(&mut ibv);
+    let raw = CqShell::into_raw(Box::new(CqShell { ibv: UnsafeCell::new(ibv), inner: Arc::clone(&cq), current: UnsafeCell::new(None) }));
+    cq.set_handle(raw as usize);
+    Ok(raw)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_create_cq(ctx: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, channel: *mut ibv_comp_channel, comp_vector: c_int) -> *mut ibv_cq {
+    ffi_boundary!("ibv_create_cq", {
+        // SAFETY: from_raw checks ownership before dereferencing.
+        let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
+            return match passthrough::ibv_create_cq() {
+                // SAFETY: not ours, so the real library's context.
+                Some(real) if !ctx.is_null() => unsafe { real(ctx, cqe, cq_context, channel, comp_vector) },
+                _ => <*mut ibv_cq>::fail(libc::EINVAL),
+            };
+        };
+        match create_cq(ctx, shell, cqe.into(), cq_context, channel, comp_vector.into()) {
+            Ok(cq) => cq.cast(),
+            Err(e) => <*mut ibv_cq>::fail(e.errno()),
+        }
+    })
+}
+
+const SUPPORTED_WC_FLAGS: u64 = (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_IMM.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_QP_NUM.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SRC_QP.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SLID.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SL.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_DLID_PATH_BITS.0) as u64;
+
+/// `verbs_context.create_cq_ex` (the `ibv_create_cq_ex` inline).
+pub(crate) unsafe extern "C" fn create_cq_ex_op(ctx: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
+    ffi_boundary!("ibv_create_cq_ex", {
+        // SAFETY: from_raw checks ownership before dereferencing.
+        let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
+            return <*mut ibv_cq_ex>::fail(libc::EINVAL);
+        };
+        if attr.is_null() {
+            return <*mut ibv_cq_ex>::fail(libc::EINVAL);
+        }
+        // SAFETY: the caller's attribute struct.
+        let a = unsafe { &*attr };
+        if a.comp_mask != 0 || a.flags != 0 {
+            return <*mut ibv_cq_ex>::fail(libc::EOPNOTSUPP);
+        }
+        if a.wc_flags & !SUPPORTED_WC_FLAGS != 0 {
+            tracing::debug!("ibv_create_cq_ex: wc_flags {:#x} not supported", a.wc_flags & !SUPPORTED_WC_FLAGS);
+            return <*mut ibv_cq_ex>::fail(libc::EOPNOTSUPP);
+        }
+        match create_cq(ctx, shell, a.cqe.into(), a.cq_context, a.channel, a.comp_vector.into()) {
+            Ok(cq) => cq,
+            Err(e) => <*mut ibv_cq_ex>::fail(e.errno()),
+        }
+    })
+}
+
+/// # Safety
+/// `cq` is NULL or a valid `ibv_cq`.
+unsafe fn our_cq<'a>(cq: *mut ibv_cq) -> Option<&'a CqShell> {
+    if cq.is_null() {
+        return None;
+    }
+    // SAFETY: a valid ibv_cq has a readable `context` field.
+    unsafe { owned_context((*cq).context)? };
+    // SAFETY: its context is ours, so it is a CqShell (ibv_cq is the start of ibv_cq_ex).
+    unsafe { CqShell::from_raw(cq.cast()) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int {
+    ffi_boundary!("ibv_resize_cq", {
+        // SAFETY: caller passes a CQ (or NULL).
+        let Some(shell) = (unsafe { our_cq(cq) }) else {
+            return match passthrough::ibv_resize_cq() {
+                // SAFETY: not ours, so the real library's CQ.
+                Some(real) if !cq.is_null() => unsafe { real(cq, cqe) },
+                _ => c_int::fail(libc::EINVAL),
+            };
+        };
+        if cqe < 1 || cqe > device::MAX_CQE {
+            return c_int::fail(libc::EINVAL);
+        }
+        match shell.inner.resize(cqe as usize) {
+            Ok(n) => {
+                // SAFETY: `cqe` is only written here, under no Rust reference.
+                unsafe { (*shell.as_raw()).cqe = n as c_int };
+                0
+            }
+            Err(e) => status(Err(e)),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
+    ffi_boundary!("ibv_destroy_cq", {
+        // SAFETY: caller passes a CQ (or NULL).
+        let Some(shell) = (unsafe { our_cq(cq) }) else {
+            return match passthrough::ibv_destroy_cq() {
+                // SAFETY: not ours, so the real library's CQ.
+                Some(real) if !cq.is_null() => unsafe { real(cq) },
+                _ => c_int::fail(libc::EINVAL),
+            };
+        };
+        if let Err(e) = shell.inner.check_destroyable() {
+            return status(Err(e));
+        }
+        shell.inner.wait_events_acked();
+        shell.inner.destroy();
+        // SAFETY: ours; the application gives it up here.
+        unsafe { CqShell::destroy(cq.cast()) };
+        0
+    })
+}
+
+/// Returns 0, or -1 with errno set (EAGAIN on a non-blocking channel with no event).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_get_cq_event(ch: *mut ibv_comp_channel, cq_out: *mut *mut ibv_cq, cq_context_out: *mut *mut c_void) -> c_int {
+    ffi_boundary!("ibv_get_cq_event", on_panic = -1, {
+        // SAFETY: checked against the registry first.
+        let Some(shell) = (unsafe { our_channel(ch) }) else {
+            return match passthrough::ibv_get_cq_event() {
+                // SAFETY: not ours, so the real library's channel.
+                Some(real) if !ch.is_null() => unsafe { real(ch, cq_out, cq_context_out) },
+                _ => {
+                    set_errno(libc::EINVAL);
+                    -1
+                }
+            };
+        };
+        if cq_out.is_null() || cq_context_out.is_null() {
+            set_errno(libc::EINVAL);
+            return -1;
+        }
+        match shell.inner.events.wait() {
+            Ok(handle) => {
+                let cq = handle as *mut ibv_cq_ex;
+                // SAFETY: events carry live CQ shells (a CQ's events are discarded when it is
+                // destroyed); the out-parameters were checked non-NULL.
+                unsafe {
+                    if let Some(cq_shell) = CqShell::from_raw(cq) {
+                        cq_shell.inner.event_delivered();
+                    }
+                    *cq_out = cq.cast();
+                    *cq_context_out = (*cq).cq_context;
+                }
+                0
+            }
+            Err(e) => {
+                set_errno(e.errno());
+                -1
+            }
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, nevents: c_uint) {
+    ffi_boundary!("ibv_ack_cq_events", {
+        // SAFETY: caller passes a CQ (or NULL).
+        match unsafe { our_cq(cq) } {
+            Some(shell) => shell.inner.ack_events(u64::from(nevents)),
+            None => {
+                if let Some(real) = passthrough::ibv_ack_cq_events().filter(|_| !cq.is_null()) {
+                    // SAFETY: not ours, so the real library's CQ.
+                    unsafe { real(cq, nevents) };
+                }
+            }
+        }
+    })
+}
+
+fn to_ibv_wc(w: &WorkCompletion) -> ibv_wc {
+    ibv_wc {
+        wr_id: w.wr_id,
+        status: ibv_wc_status(w.status as u32),
+        opcode: ibv_wc_opcode(w.opcode as u32),
+        vendor_err: w.vendor_err,
+        byte_len: w.byte_len,
+        __bindgen_anon_1: ibv_wc__bindgen_ty_1 { imm_data: w.imm_data },
+        qp_num: w.qp_num,
+        src_qp: w.src_qp,
+        wc_flags: w.wc_flags,
+        pkey_index: w.pkey_index,
+        slid: w.slid,
+        sl: w.sl,
+        dlid_path_bits: w.dlid_path_bits,
+    }
+}
+
+fn poll_into(shell: &CqShell, max: usize, wc: *mut ibv_wc) -> usize {
+    let mut i = 0;
+    shell.inner.poll(max, |w| {
+        // SAFETY: the caller's array holds `max` entries and `i < max`.
+        unsafe { wc.add(i).write(to_ibv_wc(w)) };
+        i += 1;
+    })
+}
+
+/// `ibv_context_ops.poll_cq` (the `ibv_poll_cq` inline): count, or negative on error.
+pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num_entries: c_int, wc: *mut ibv_wc) -> c_int {
+    ffi_boundary!("ibv_poll_cq", on_panic = -1, {
+        // SAFETY: only reached through ugdr's ops table, so `cq` is a CqShell.
+        let Some(shell) = (unsafe { CqShell::from_raw(cq.cast()) }) else { return -1 };
+        if num_entries < 0 || (num_entries > 0 && wc.is_null()) {
+            return -1;
+        }
+        let max = num_entries as usize;
+        let mut n = poll_into(shell, max, wc);
+        if n == 0 && max > 0 {
+            if let Some(engine) = Engine::running() {
+                engine.progress_from_app();
+                n = poll_into(shell, max, wc);
+            }
+        }
+        n as c_int
+    })
+}
+
+/// `ibv_context_ops.req_notify_cq`.
+pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
+    ffi_boundary!("ibv_req_notify_cq", {
+        // SAFETY: only reached through ugdr's ops table, so `cq` is a CqShell.
+        let Some(shell) = (unsafe { CqShell::from_raw(cq.cast()) }) else { return c_int::fail(libc::EINVAL) };
+        status(shell.inner.arm(solicited_only != 0))
+    })
+}
+
+// ------------------------------------------------------------------ ibv_cq_ex polling
+
+/// # Safety
+/// `cq` came from ugdr's create functions (the cq_ex ops are only installed there).
+unsafe fn cq_ex<'a>(cq: *mut ibv_cq_ex) -> &'a CqShell {
+    // SAFETY: forwarded contract; never NULL when called through the installed table.
+    unsafe { CqShell::from_raw(cq).expect("cq_ex op called with NULL") }
+}
+
+fn take_current(shell: &CqShell) -> c_int {
+    let mut next = None;
+    let mut got = shell.inner.poll(1, |w| next = Some(*w));
+    if got == 0 {
+        if let Some(engine) = Engine::running() {
+            engine.progress_from_app();
+            got = shell.inner.poll(1, |w| next = Some(*w));
+        }
+    }
+    // SAFETY: `current` and the public wr_id/status are only touched by the one thread that
+    // polls this CQ between start_poll and end_poll (the API's rule).
+    unsafe {
+        *shell.current.get() = next;
+        if let Some(w) = next {
+            let raw = shell.as_raw();
+            (*raw).wr_id = w.wr_id;
+            (*raw).status = ibv_wc_status(w.status as u32);
+        }
+    }
+    if got == 0 { libc::ENOENT } else { 0 }
+}
+
+unsafe extern "C" fn start_poll(cq: *mut ibv_cq_ex, attr: *mut ibv_poll_cq_attr) -> c_int {
+    ffi_boundary!("ibv_start_poll", {
+        // SAFETY: `attr` is NULL or the caller's struct.
+        if !attr.is_null() && unsafe { (*attr).comp_mask } != 0 {
+            return libc::EINVAL;
+        }
+        // SAFETY: installed only on ugdr's CQs.
+        take_current(unsafe { cq_ex(cq) })
+    })
+}
+
+unsafe extern "C" fn next_poll(cq: *mut ibv_cq_ex) -> c_int {
+    // SAFETY: installed only on ugdr's CQs.
+    ffi_boundary!("ibv_next_poll", { take_current(unsafe { cq_ex(cq) }) })
+}
+
+unsafe extern "C" fn end_poll(cq: *mut ibv_cq_ex) {
+    ffi_boundary!("ibv_end_poll", {
+        // SAFETY: installed only on ugdr's CQs; same single-poller rule as take_current.
+        unsafe { *cq_ex(cq).current.get() = None };
+    })
+}
+
+fn current(cq: *mut ibv_cq_ex) -> WorkCompletion {
+    // SAFETY: installed only on ugdr's CQs; read by the polling thread between start/next and
+    // end_poll. Reading with no current completion is an application error: zeros.
+    unsafe { (*cq_ex(cq).current.get()).unwrap_or_else(|| WorkCompletion::new(0, crate::fake_verbs::work::WcStatus::GeneralErr, crate::fake_verbs::work::WcOpcode::Send, 0)) }
+}
+
+unsafe extern "C" fn read_opcode(cq: *mut ibv_cq_ex) -> ibv_wc_opcode {
+    ffi_boundary!("ibv_wc_read_opcode", on_panic = ibv_wc_opcode(0), { ibv_wc_opcode(current(cq).opcode as u32) })
+}
+unsafe extern "C" fn read_vendor_err(cq: *mut ibv_cq_ex) -> u32 {
+    ffi_boundary!("ibv_wc_read_vendor_err", { current(cq).vendor_err })
+}
+unsafe extern "C" fn read_byte_len(cq: *mut ibv_cq_ex) -> u32 {
+    ffi_boundary!("ibv_wc_read_byte_len", { current(cq).byte_len })
+}
+unsafe extern "C" fn read_imm_data(cq: *mut ibv_cq_ex) -> __be32 {
+    ffi_boundary!("ibv_wc_read_imm_data", { current(cq).imm_data })
+}
+unsafe extern "C" fn read_qp_num(cq: *mut ibv_cq_ex) -> u32 {
+    ffi_boundary!("ibv_wc_read_qp_num", { current(cq).qp_num })
+}
+unsafe extern "C" fn read_src_qp(cq: *mut ibv_cq_ex) -> u32 {
+    ffi_boundary!("ibv_wc_read_src_qp", { current(cq).src_qp })
+}
+unsafe extern "C" fn read_wc_flags(cq: *mut ibv_cq_ex) -> c_uint {
+    ffi_boundary!("ibv_wc_read_wc_flags", { current(cq).wc_flags })
+}
+unsafe extern "C" fn read_slid(cq: *mut ibv_cq_ex) -> u32 {
+    ffi_boundary!("ibv_wc_read_slid", { u32::from(current(cq).slid) })
+}
+unsafe extern "C" fn read_sl(cq: *mut ibv_cq_ex) -> u8 {
+    ffi_boundary!("ibv_wc_read_sl", { current(cq).sl })
+}
+unsafe extern "C" fn read_dlid_path_bits(cq: *mut ibv_cq_ex) -> u8 {
+    ffi_boundary!("ibv_wc_read_dlid_path_bits", { current(cq).dlid_path_bits })
+}
+/// Fields ugdr does not produce (not offered in wc_flags): zero, as a CQ without them reads.
+unsafe extern "C" fn read_zero_u64(_: *mut ibv_cq_ex) -> u64 {
+    0
+}
+unsafe extern "C" fn read_zero_u16(_: *mut ibv_cq_ex) -> u16 {
+    0
+}
+unsafe extern "C" fn read_zero_u32(_: *mut ibv_cq_ex) -> u32 {
+    0
+}
+unsafe extern "C" fn read_tm_info(_: *mut ibv_cq_ex, info: *mut ibv_wc_tm_info) {
+    if !info.is_null() {
+        // SAFETY: the caller's out-parameter.
+        unsafe { info.write(ibv_wc_tm_info::default()) };
+    }
+}
+
+pub(crate) fn install_poll_ops(cq: &mut ibv_cq_ex) {
+    cq.start_poll = Some(start_poll);
+    cq.next_poll = Some(next_poll);
+    cq.end_poll = Some(end_poll);
+    cq.read_opcode = Some(read_opcode);
+    cq.read_vendor_err = Some(read_vendor_err);
+    cq.read_byte_len = Some(read_byte_len);
+    cq.read_imm_data = Some(read_imm_data);
+    cq.read_qp_num = Some(read_qp_num);
+    cq.read_src_qp = Some(read_src_qp);
+    cq.read_wc_flags = Some(read_wc_flags);
+    cq.read_slid = Some(read_slid);
+    cq.read_sl = Some(read_sl);
+    cq.read_dlid_path_bits = Some(read_dlid_path_bits);
+    cq.read_completion_ts = Some(read_zero_u64);
+    cq.read_cvlan = Some(read_zero_u16);
+    cq.read_flow_tag = Some(read_zero_u32);
+    cq.read_tm_info = Some(read_tm_info);
+    cq.read_completion_wallclock_ns = Some(read_zero_u64);
+}

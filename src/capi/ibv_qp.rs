@@ -1,0 +1,731 @@
+//! Queue pairs: create/modify/query/destroy, the post paths, and the `ibv_wr_*` builders.
+
+use super::boundary::{ffi_boundary, status, Fallback};
+use super::layout::{owned_context, ContextShell, CqShell, PdShell, QpShell, WrBatch};
+use super::{ops, passthrough};
+use crate::engine::Engine;
+use crate::fake_verbs::qp::{AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps, QueuePair};
+use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
+use crate::fake_verbs::work::{RecvRequest, SendOpcode, SendRequest, Sge, SgeList};
+use crate::fake_verbs::VerbsError;
+use crate::sys::*;
+use std::cell::UnsafeCell;
+use std::os::raw::{c_int, c_void};
+use std::ptr::null_mut;
+use std::sync::Arc;
+
+const SEND_FENCE: u32 = ibv_send_flags::IBV_SEND_FENCE.0;
+const SEND_SIGNALED: u32 = ibv_send_flags::IBV_SEND_SIGNALED.0;
+const SEND_SOLICITED: u32 = ibv_send_flags::IBV_SEND_SOLICITED.0;
+const SEND_INLINE: u32 = ibv_send_flags::IBV_SEND_INLINE.0;
+
+/// The send opcodes ugdr's RC QPs carry, as `ibv_qp_create_send_ops_flags`.
+const SUPPORTED_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0 | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0) as u64;
+const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
+
+/// # Safety
+/// `cq` is NULL or a valid `ibv_cq`.
+unsafe fn our_cq<'a>(cq: *mut ibv_cq) -> Option<&'a CqShell> {
+    if cq.is_null() {
+        return None;
+    }
+    // SAFETY: a valid ibv_cq has a readable `context` field.
+    unsafe { owned_context((*cq).context)? };
+    // SAFETY: its context is ours, so it is a CqShell.
+    unsafe { CqShell::from_raw(cq.cast()) }
+}
+
+/// # Safety
+/// `qp` is NULL or a valid `ibv_qp`.
+unsafe fn our_qp<'a>(qp: *mut ibv_qp) -> Option<&'a QpShell> {
+    if qp.is_null() {
+        return None;
+    }
+    // SAFETY: a valid ibv_qp has a readable `context` field.
+    unsafe { owned_context((*qp).context)? };
+    // SAFETY: its context is ours, so it is a QpShell (ibv_qp is the start of ibv_qp_ex).
+    unsafe { QpShell::from_raw(qp.cast()) }
+}
+
+struct CreateQp {
+    pd: *mut ibv_pd,
+    qp_context: *mut c_void,
+    send_cq: *mut ibv_cq,
+    recv_cq: *mut ibv_cq,
+    srq: *mut ibv_srq,
+    cap: ibv_qp_cap,
+    qp_type: u32,
+    sq_sig_all: bool,
+}
+
+fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
+    // SAFETY: callers pass a PD whose context is ours (checked) or NULL.
+    let pd_shell = unsafe { PdShell::from_raw(args.pd) }.ok_or(VerbsError::Invalid("pd"))?;
+    // SAFETY: the application's CQ pointers (or NULL), ownership checked.
+    let send_cq = unsafe { our_cq(args.send_cq) }.ok_or(VerbsError::Invalid("send_cq"))?;
+    // SAFETY: as above.
+    let recv_cq = unsafe { our_cq(args.recv_cq) }.ok_or(VerbsError::Invalid("recv_cq"))?;
+    if !args.srq.is_null() {
+        return Err(VerbsError::Unsupported("shared receive queues"));
+    }
+    let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
+    if qp_type != QpType::Rc {
+        return Err(VerbsError::Unsupported("queue pair type (ugdr carries RC queue pairs)"));
+    }
+    let caps = QpCaps::grant(QpCaps {
+        max_send_wr: args.cap.max_send_wr,
+        max_recv_wr: args.cap.max_recv_wr,
+        max_send_sge: args.cap.max_send_sge,
+        max_recv_sge: args.cap.max_recv_sge,
+        max_inline_data: args.cap.max_inline_data,
+    })?;
+    let engine = Engine::get()?;
+    let qp_num = engine.allocate_qpn();
+    let qp = QueuePair::new(qp_num, qp_type, Arc::clone(&pd_shell.inner), Arc::clone(&send_cq.inner), Arc::clone(&recv_cq.inner), args.sq_sig_all, caps, engine.lid)?;
+    // SAFETY: reading the context field of our own PD.
+    let context = unsafe { (*pd_shell.as_raw()).context };
+    let base = ibv_qp {
+        context,
+        qp_context: args.qp_context,
+        pd: args.pd,
+        send_cq: args.send_cq,
+        recv_cq: args.recv_cq,
+        srq: null_mut(),
+        handle: qp_num,
+        qp_num,
+        state: ibv_qp_state::IBV_QPS_RESET,
+        qp_type: ibv_qp_type(args.qp_type),
+        ..Default::default()
+    };
+    let mut ibv = ibv_qp_ex { qp_base: base, ..Default::default() };
+    ops::install_qp_ops(&mut ibv);
+    let raw = QpShell::into_raw(Box::new(QpShell { ibv: UnsafeCell::new(ibv), inner: Arc::clone(&qp), batch: UnsafeCell::new(WrBatch::default()) }));
+    qp.set_handle(raw as usize);
+    engine.register_qp(qp);
+    let granted = ibv_qp_cap {
+        max_send_wr: caps.max_send_wr,
+        max_recv_wr: caps.max_recv_wr,
+        max_send_sge: caps.max_send_sge,
+        max_recv_sge: caps.max_recv_sge,
+        max_inline_data: caps.max_inline_data,
+    };
+    Ok((raw.cast(), granted))
+}
+
+/// Creates an RC QP; writes the granted capabilities back into `attr->cap` (as rdma-core).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> *mut ibv_qp {
+    ffi_boundary!("ibv_create_qp", {
+        // SAFETY: a valid ibv_pd (or NULL) has a readable context field.
+        let ours = !pd.is_null() && unsafe { owned_context((*pd).context) }.is_some();
+        if !ours {
+            return match passthrough::ibv_create_qp() {
+                // SAFETY: not ours, so the real library's PD.
+                Some(real) if !pd.is_null() => unsafe { real(pd, attr) },
+                _ => <*mut ibv_qp>::fail(libc::EINVAL),
+            };
+        }
+        if attr.is_null() {
+            return <*mut ibv_qp>::fail(libc::EINVAL);
+        }
+        // SAFETY: the caller's attribute struct, checked non-NULL.
+        let a = unsafe { &mut *attr };
+        let args = CreateQp { pd, qp_context: a.qp_context, send_cq: a.send_cq, recv_cq: a.recv_cq, srq: a.srq, cap: a.cap, qp_type: a.qp_type.0, sq_sig_all: a.sq_sig_all != 0 };
+        match create_qp(&args) {
+            Ok((qp, cap)) => {
+                a.cap = cap;
+                qp
+            }
+            Err(e) => {
+                tracing::debug!("ibv_create_qp: {e}");
+                <*mut ibv_qp>::fail(e.errno())
+            }
+        }
+    })
+}
+
+/// `verbs_context.create_qp_ex` (the `ibv_create_qp_ex` inline, for masks beyond PD).
+pub(crate) unsafe extern "C" fn create_qp_ex_op(ctx: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ibv_qp {
+    ffi_boundary!("ibv_create_qp_ex", {
+        if !ContextShell::is_ours(ctx) || attr.is_null() {
+            return <*mut ibv_qp>::fail(libc::EINVAL);
+        }
+        // SAFETY: the caller's attribute struct, checked non-NULL.
+        let a = unsafe { &mut *attr };
+        if a.comp_mask & !SUPPORTED_INIT_MASK != 0 || a.create_flags != 0 {
+            return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
+        }
+        if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 == 0 || a.pd.is_null() {
+            return <*mut ibv_qp>::fail(libc::EINVAL);
+        }
+        if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0 != 0 && a.send_ops_flags & !SUPPORTED_SEND_OPS != 0 {
+            tracing::debug!("ibv_create_qp_ex: send_ops_flags {:#x} not supported", a.send_ops_flags & !SUPPORTED_SEND_OPS);
+            return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
+        }
+        // SAFETY: a valid ibv_pd has a readable context field.
+        if unsafe { (*a.pd).context } != ctx {
+            return <*mut ibv_qp>::fail(libc::EINVAL);
+        }
+        let args = CreateQp { pd: a.pd, qp_context: a.qp_context, send_cq: a.send_cq, recv_cq: a.recv_cq, srq: a.srq, cap: a.cap, qp_type: a.qp_type.0, sq_sig_all: a.sq_sig_all != 0 };
+        match create_qp(&args) {
+            Ok((qp, cap)) => {
+                a.cap = cap;
+                qp
+            }
+            Err(e) => <*mut ibv_qp>::fail(e.errno()),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
+    ffi_boundary!("ibv_qp_to_qp_ex", {
+        // SAFETY: caller passes a QP (or NULL).
+        match unsafe { our_qp(qp) } {
+            Some(shell) => shell.as_raw(),
+            None => match passthrough::ibv_qp_to_qp_ex() {
+                // SAFETY: not ours, so the real library's QP.
+                Some(real) if !qp.is_null() => unsafe { real(qp) },
+                _ => <*mut ibv_qp_ex>::fail(libc::EINVAL),
+            },
+        }
+    })
+}
+
+fn av_from(a: &ibv_ah_attr) -> AddressVector {
+    AddressVector {
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: a.is_global != 0,
+        port_num: a.port_num,
+        grh: GlobalRoute {
+            // SAFETY: every bit pattern of the union is a valid byte array.
+            dgid: unsafe { a.grh.dgid.raw },
+            flow_label: a.grh.flow_label,
+            sgid_index: a.grh.sgid_index,
+            hop_limit: a.grh.hop_limit,
+            traffic_class: a.grh.traffic_class,
+        },
+    }
+}
+
+fn av_to(a: &AddressVector) -> ibv_ah_attr {
+    ibv_ah_attr {
+        grh: ibv_global_route { dgid: ibv_gid { raw: a.grh.dgid }, flow_label: a.grh.flow_label, sgid_index: a.grh.sgid_index, hop_limit: a.grh.hop_limit, traffic_class: a.grh.traffic_class },
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: u8::from(a.is_global),
+        port_num: a.port_num,
+    }
+}
+
+/// Converts `ibv_qp_attr` + mask; enum values the application wrote are checked, not trusted.
+fn modify_request(a: &ibv_qp_attr, mask: c_int) -> Result<ModifyRequest, VerbsError> {
+    let mask = AttrMask(mask as u32);
+    let state = if mask.contains(AttrMask::STATE) { Some(QpState::from_raw(a.qp_state.0).ok_or(VerbsError::Invalid("qp_state"))?) } else { None };
+    let claimed_cur = if mask.contains(AttrMask::CUR_STATE) { Some(QpState::from_raw(a.cur_qp_state.0).ok_or(VerbsError::Invalid("cur_qp_state"))?) } else { None };
+    let attrs = QpAttributes {
+        qkey: a.qkey,
+        rq_psn: a.rq_psn & 0xff_ffff,
+        sq_psn: a.sq_psn & 0xff_ffff,
+        dest_qp_num: a.dest_qp_num,
+        access_flags: a.qp_access_flags,
+        pkey_index: a.pkey_index,
+        port_num: a.port_num,
+        path_mtu: a.path_mtu.0,
+        ah: av_from(&a.ah_attr),
+        alt_ah: av_from(&a.alt_ah_attr),
+        alt_pkey_index: a.alt_pkey_index,
+        alt_port_num: a.alt_port_num,
+        alt_timeout: a.alt_timeout,
+        path_mig_state: a.path_mig_state.0,
+        timeout: a.timeout,
+        retry_cnt: a.retry_cnt,
+        rnr_retry: a.rnr_retry,
+        min_rnr_timer: a.min_rnr_timer,
+        max_rd_atomic: a.max_rd_atomic,
+        max_dest_rd_atomic: a.max_dest_rd_atomic,
+        en_sqd_async_notify: a.en_sqd_async_notify,
+    };
+    Ok(ModifyRequest { mask, state, claimed_cur, attrs })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int {
+    ffi_boundary!("ibv_modify_qp", {
+        // SAFETY: caller passes a QP (or NULL).
+        let Some(shell) = (unsafe { our_qp(qp) }) else {
+            return match passthrough::ibv_modify_qp() {
+                // SAFETY: not ours, so the real library's QP.
+                Some(real) if !qp.is_null() => unsafe { real(qp, attr, mask) },
+                _ => c_int::fail(libc::EINVAL),
+            };
+        };
+        if attr.is_null() {
+            return c_int::fail(libc::EINVAL);
+        }
+        // SAFETY: the caller's attribute struct, checked non-NULL.
+        let req = match modify_request(unsafe { &*attr }, mask) {
+            Ok(r) => r,
+            Err(e) => return status(Err(e)),
+        };
+        let engine = match Engine::get() {
+            Ok(e) => e,
+            Err(e) => return status(Err(e)),
+        };
+        let qp_obj = &shell.inner;
+        // Resolving may ask another host: do it before taking the worker lock.
+        let to_rtr = req.state == Some(QpState::Rtr) && qp_obj.state() == QpState::Init && req.mask.contains(AttrMask::AV);
+        let remote = if to_rtr {
+            let av = &req.attrs.ah;
+            match engine.resolve(av.dlid, av.is_global.then_some(&av.grh.dgid)) {
+                Ok(addr) => Some(addr),
+                Err(e) => {
+                    tracing::warn!("qp {:#x}: lid {:#06x} qpn {:#x}: {e}", qp_obj.qp_num, av.dlid, req.attrs.dest_qp_num);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let locked = engine.worker.lock();
+        let peer = match remote {
+            Some(addr) => match engine.connect(&locked, &addr, req.attrs.dest_qp_num) {
+                Ok(p) => Some(p),
+                Err(e) => return status(Err(e)),
+            },
+            None => None,
+        };
+        match qp_obj.modify(&locked, &req, peer) {
+            Ok(state) => {
+                // SAFETY: `state` is read by the application; written only here, under the lock.
+                unsafe { (*shell.as_raw()).qp_base.state = ibv_qp_state(state.to_raw()) };
+                0
+            }
+            Err(e) => status(Err(e)),
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_query_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int, init_attr: *mut ibv_qp_init_attr) -> c_int {
+    ffi_boundary!("ibv_query_qp", {
+        // SAFETY: caller passes a QP (or NULL).
+        let Some(shell) = (unsafe { our_qp(qp) }) else {
+            return match passthrough::ibv_query_qp() {
+                // SAFETY: not ours, so the real library's QP.
+                Some(real) if !qp.is_null() => unsafe { real(qp, attr, mask, init_attr) },
+                _ => c_int::fail(libc::EINVAL),
+            };
+        };
+        if attr.is_null() || init_attr.is_null() {
+            return c_int::fail(libc::EINVAL);
+        }
+        let q = &shell.inner;
+        let (state, a) = q.attributes();
+        let cap = ibv_qp_cap { max_send_wr: q.caps.max_send_wr, max_recv_wr: q.caps.max_recv_wr, max_send_sge: q.caps.max_send_sge, max_recv_sge: q.caps.max_recv_sge, max_inline_data: q.caps.max_inline_data };
+        let out = ibv_qp_attr {
+            qp_state: ibv_qp_state(state.to_raw()),
+            cur_qp_state: ibv_qp_state(state.to_raw()),
+            path_mtu: ibv_mtu(a.path_mtu),
+            path_mig_state: ibv_mig_state(a.path_mig_state),
+            qkey: a.qkey,
+            rq_psn: a.rq_psn,
+            sq_psn: a.sq_psn,
+            dest_qp_num: a.dest_qp_num,
+            qp_access_flags: a.access_flags,
+            cap,
+            ah_attr: av_to(&a.ah),
+            alt_ah_attr: av_to(&a.alt_ah),
+            pkey_index: a.pkey_index,
+            alt_pkey_index: a.alt_pkey_index,
+            en_sqd_async_notify: a.en_sqd_async_notify,
+            sq_draining: 0,
+            max_rd_atomic: a.max_rd_atomic,
+            max_dest_rd_atomic: a.max_dest_rd_atomic,
+            min_rnr_timer: a.min_rnr_timer,
+            port_num: a.port_num,
+            timeout: a.timeout,
+            retry_cnt: a.retry_cnt,
+            rnr_retry: a.rnr_retry,
+            alt_port_num: a.alt_port_num,
+            alt_timeout: a.alt_timeout,
+            rate_limit: 0,
+        };
+        // SAFETY: reading our own QP's public fields.
+        let base = unsafe { &(*shell.as_raw()).qp_base };
+        let init = ibv_qp_init_attr { qp_context: base.qp_context, send_cq: base.send_cq, recv_cq: base.recv_cq, srq: base.srq, cap, qp_type: base.qp_type, sq_sig_all: c_int::from(q.sq_sig_all) };
+        // SAFETY: the caller's out-parameters, checked non-NULL.
+        unsafe {
+            attr.write(out);
+            init_attr.write(init);
+        }
+        0
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
+    ffi_boundary!("ibv_destroy_qp", {
+        // SAFETY: caller passes a QP (or NULL).
+        let Some(shell) = (unsafe { our_qp(qp) }) else {
+            return match passthrough::ibv_destroy_qp() {
+                // SAFETY: not ours, so the real library's QP.
+                Some(real) if !qp.is_null() => unsafe { real(qp) },
+                _ => c_int::fail(libc::EINVAL),
+            };
+        };
+        if let Ok(engine) = Engine::get() {
+            engine.unregister_qp(shell.inner.qp_num);
+            let locked = engine.worker.lock();
+            shell.inner.destroy(&locked);
+        }
+        // SAFETY: ours; the application gives it up here.
+        unsafe { QpShell::destroy(qp.cast()) };
+        0
+    })
+}
+
+// ------------------------------------------------------------------ post paths
+
+/// # Safety
+/// `sg_list` holds `num_sge` readable entries (or `num_sge` is 0).
+unsafe fn read_sges(sg_list: *const ibv_sge, num_sge: c_int) -> Result<SgeList, VerbsError> {
+    if num_sge < 0 || (num_sge > 0 && sg_list.is_null()) {
+        return Err(VerbsError::Invalid("num_sge/sg_list"));
+    }
+    let mut out = SgeList::new();
+    for i in 0..num_sge as usize {
+        // SAFETY: within the caller's array.
+        let s = unsafe { &*sg_list.add(i) };
+        out.push(Sge { addr: s.addr, length: s.length, lkey: s.lkey });
+    }
+    Ok(out)
+}
+
+/// Copies the bytes of inline SGEs (their lkeys are not used: rdma_post_send passes 0).
+fn inline_bytes(sges: &[Sge]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+    for s in sges {
+        if s.length > 0 {
+            // SAFETY: the application's inline buffer, valid during the post call.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
+        }
+    }
+    out
+}
+
+/// # Safety
+/// `wr` points to a valid `ibv_send_wr`.
+unsafe fn send_request(wr: *const ibv_send_wr, max_inline: u32) -> Result<SendRequest, VerbsError> {
+    // SAFETY: caller's contract.
+    let w = unsafe { &*wr };
+    let opcode = SendOpcode::from_raw(w.opcode.0).ok_or(VerbsError::Invalid("opcode"))?;
+    // SAFETY: sg_list/num_sge come from the same WR.
+    let sges = unsafe { read_sges(w.sg_list, w.num_sge) }?;
+    let inline = w.send_flags & SEND_INLINE != 0;
+    let inline_data = if inline {
+        if sges.iter().map(|s| u64::from(s.length)).sum::<u64>() > u64::from(max_inline) {
+            return Err(VerbsError::Invalid("inline data above max_inline_data"));
+        }
+        Some(inline_bytes(&sges))
+    } else {
+        None
+    };
+    // SAFETY: the unions are plain integers; reading the member for the opcode.
+    let (imm_data, remote_addr, rkey, compare_add, swap) = unsafe {
+        match opcode {
+            SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd => (0, w.wr.atomic.remote_addr, w.wr.atomic.rkey, w.wr.atomic.compare_add, w.wr.atomic.swap),
+            _ => (w.__bindgen_anon_1.imm_data, w.wr.rdma.remote_addr, w.wr.rdma.rkey, 0, 0),
+        }
+    };
+    Ok(SendRequest {
+        wr_id: w.wr_id,
+        opcode,
+        sges,
+        inline_data,
+        imm_data,
+        signaled: w.send_flags & SEND_SIGNALED != 0,
+        solicited: w.send_flags & SEND_SOLICITED != 0,
+        fence: w.send_flags & SEND_FENCE != 0,
+        remote_addr,
+        rkey,
+        compare_add,
+        swap,
+    })
+}
+
+/// `ibv_context_ops.post_send`: posts the list in order; stops at the first WR that cannot
+/// be posted, sets `*bad_wr` to it and returns its errno (earlier WRs stay posted).
+pub(crate) unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad_wr: *mut *mut ibv_send_wr) -> c_int {
+    ffi_boundary!("ibv_post_send", {
+        // SAFETY: only reached through ugdr's ops table, so `qp` is a QpShell.
+        let Some(shell) = (unsafe { QpShell::from_raw(qp.cast()) }) else { return libc::EINVAL };
+        let Some(engine) = Engine::running() else { return libc::EINVAL };
+        let qp_obj = &shell.inner;
+        let locked = engine.worker.lock();
+        let mut cur = wr;
+        while !cur.is_null() {
+            // SAFETY: `cur` walks the application's NULL-terminated WR list.
+            let result = unsafe { send_request(cur, qp_obj.caps.max_inline_data) }.and_then(|req| qp_obj.post_send(&locked, req));
+            if let Err(e) = result {
+                tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
+                if !bad_wr.is_null() {
+                    // SAFETY: the caller's out-parameter.
+                    unsafe { *bad_wr = cur };
+                }
+                return e.errno();
+            }
+            // SAFETY: as above.
+            cur = unsafe { (*cur).next };
+        }
+        0
+    })
+}
+
+/// `ibv_context_ops.post_recv`, with the same list semantics as `post_send`.
+pub(crate) unsafe extern "C" fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr, bad_wr: *mut *mut ibv_recv_wr) -> c_int {
+    ffi_boundary!("ibv_post_recv", {
+        // SAFETY: only reached through ugdr's ops table, so `qp` is a QpShell.
+        let Some(shell) = (unsafe { QpShell::from_raw(qp.cast()) }) else { return libc::EINVAL };
+        let Some(engine) = Engine::running() else { return libc::EINVAL };
+        let qp_obj = &shell.inner;
+        let locked = engine.worker.lock();
+        let mut cur = wr;
+        while !cur.is_null() {
+            // SAFETY: `cur` walks the application's NULL-terminated WR list.
+            let w = unsafe { &*cur };
+            // SAFETY: sg_list/num_sge of the same WR.
+            let result = unsafe { read_sges(w.sg_list, w.num_sge) }.and_then(|sges| qp_obj.post_recv(&locked, RecvRequest { wr_id: w.wr_id, sges }));
+            if let Err(e) = result {
+                tracing::debug!("qp {:#x}: post_recv: {e}", qp_obj.qp_num);
+                if !bad_wr.is_null() {
+                    // SAFETY: the caller's out-parameter.
+                    unsafe { *bad_wr = cur };
+                }
+                return e.errno();
+            }
+            cur = w.next;
+        }
+        0
+    })
+}
+
+// ------------------------------------------------------------------ ibv_wr_* builders
+
+/// # Safety
+/// Installed only on ugdr's QPs; the `ibv_wr_*` API is used by one thread per QP between
+/// `ibv_wr_start` and `ibv_wr_complete`/`ibv_wr_abort`.
+unsafe fn batch<'a>(qp: *mut ibv_qp_ex) -> (&'a QpShell, &'a mut WrBatch) {
+    // SAFETY: forwarded contract.
+    let shell = unsafe { QpShell::from_raw(qp).expect("wr op called with NULL") };
+    // SAFETY: single builder thread per QP (the API's rule).
+    let b = unsafe { &mut *shell.batch.get() };
+    (shell, b)
+}
+
+fn new_request(qp: *mut ibv_qp_ex, opcode: SendOpcode) -> SendRequest {
+    // SAFETY: the application writes wr_id/wr_flags before each builder call; read them raw.
+    let (wr_id, flags) = unsafe { ((*qp).wr_id, (*qp).wr_flags) };
+    SendRequest {
+        wr_id,
+        opcode,
+        sges: SgeList::new(),
+        inline_data: None,
+        imm_data: 0,
+        signaled: flags & SEND_SIGNALED != 0,
+        solicited: flags & SEND_SOLICITED != 0,
+        fence: flags & SEND_FENCE != 0,
+        remote_addr: 0,
+        rkey: 0,
+        compare_add: 0,
+        swap: 0,
+    }
+}
+
+unsafe extern "C" fn wr_start(qp: *mut ibv_qp_ex) {
+    ffi_boundary!("ibv_wr_start", {
+        // SAFETY: see `batch`.
+        let (_, b) = unsafe { batch(qp) };
+        b.requests.clear();
+        b.error = None;
+    })
+}
+
+unsafe extern "C" fn wr_send(qp: *mut ibv_qp_ex) {
+    ffi_boundary!("ibv_wr_send", {
+        // SAFETY: see `batch`.
+        let (_, b) = unsafe { batch(qp) };
+        b.requests.push(new_request(qp, SendOpcode::Send));
+    })
+}
+
+unsafe extern "C" fn wr_send_imm(qp: *mut ibv_qp_ex, imm_data: __be32) {
+    ffi_boundary!("ibv_wr_send_imm", {
+        // SAFETY: see `batch`.
+        let (_, b) = unsafe { batch(qp) };
+        let mut r = new_request(qp, SendOpcode::SendWithImm);
+        r.imm_data = imm_data;
+        b.requests.push(r);
+    })
+}
+
+fn with_last(b: &mut WrBatch, f: impl FnOnce(&mut SendRequest)) {
+    match b.requests.last_mut() {
+        Some(r) => f(r),
+        None => {
+            b.error.get_or_insert(libc::EINVAL);
+        }
+    }
+}
+
+unsafe extern "C" fn wr_set_sge(qp: *mut ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
+    ffi_boundary!("ibv_wr_set_sge", {
+        // SAFETY: see `batch`.
+        let (_, b) = unsafe { batch(qp) };
+        with_last(b, |r| {
+            r.sges.clear();
+            r.sges.push(Sge { addr, length, lkey });
+        });
+    })
+}
+
+unsafe extern "C" fn wr_set_sge_list(qp: *mut ibv_qp_ex, num_sge: usize, sg_list: *const ibv_sge) {
+    ffi_boundary!("ibv_wr_set_sge_list", {
+        // SAFETY: see `batch`.
+        let (_, b) = unsafe { batch(qp) };
+        // SAFETY: the caller's array of `num_sge` entries.
+        match unsafe { read_sges(sg_list, c_int::try_from(num_sge).unwrap_or(-1)) } {
+            Ok(sges) => with_last(b, |r| r.sges = sges),
+            Err(_) => {
+                b.error.get_or_insert(libc::EINVAL);
+            }
+        }
+    })
+}
+
+unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, length: usize) {
+    ffi_boundary!("ibv_wr_set_inline_data", {
+        // SAFETY: see `batch`.
+        let (shell, b) = unsafe { batch(qp) };
+        if length > shell.inner.caps.max_inline_data as usize || (addr.is_null() && length > 0) {
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        let data = if length == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the application's inline buffer, valid during this call.
+            unsafe { std::slice::from_raw_parts(addr as *const u8, length) }.to_vec()
+        };
+        with_last(b, |r| r.inline_data = Some(data));
+    })
+}
+
+unsafe extern "C" fn wr_set_inline_data_list(qp: *mut ibv_qp_ex, num_buf: usize, buf_list: *const ibv_data_buf) {
+    ffi_boundary!("ibv_wr_set_inline_data_list", {
+        // SAFETY: see `batch`.
+        let (shell, b) = unsafe { batch(qp) };
+        if num_buf > 0 && buf_list.is_null() {
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        let mut data = Vec::new();
+        for i in 0..num_buf {
+            // SAFETY: the caller's array of `num_buf` buffers, each valid during this call.
+            let buf = unsafe { &*buf_list.add(i) };
+            if buf.length > 0 {
+                // SAFETY: as above.
+                data.extend_from_slice(unsafe { std::slice::from_raw_parts(buf.addr as *const u8, buf.length) });
+            }
+        }
+        if data.len() > shell.inner.caps.max_inline_data as usize {
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        with_last(b, |r| r.inline_data = Some(data));
+    })
+}
+
+unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
+    ffi_boundary!("ibv_wr_complete", {
+        // SAFETY: see `batch`.
+        let (shell, b) = unsafe { batch(qp) };
+        let requests = std::mem::take(&mut b.requests);
+        if let Some(e) = b.error.take() {
+            return e;
+        }
+        let Some(engine) = Engine::running() else { return libc::EINVAL };
+        let locked = engine.worker.lock();
+        for req in requests {
+            if let Err(e) = shell.inner.post_send(&locked, req) {
+                return e.errno();
+            }
+        }
+        0
+    })
+}
+
+unsafe extern "C" fn wr_abort(qp: *mut ibv_qp_ex) {
+    ffi_boundary!("ibv_wr_abort", {
+        // SAFETY: see `batch`.
+        let (_, b) = unsafe { batch(qp) };
+        b.requests.clear();
+        b.error = None;
+    })
+}
+
+/// A builder for an opcode this QP was not created for: `ibv_wr_complete` fails with EINVAL,
+/// and nothing of the batch is posted.
+macro_rules! refused_builder {
+    ($name:ident, $($arg:ty),*) => {
+        unsafe extern "C" fn $name(qp: *mut ibv_qp_ex, $(_: $arg),*) {
+            ffi_boundary!(stringify!($name), {
+                // SAFETY: see `batch`.
+                let (_, b) = unsafe { batch(qp) };
+                b.error.get_or_insert(libc::EINVAL);
+            })
+        }
+    };
+}
+
+refused_builder!(wr_atomic_cmp_swp, u32, u64, u64, u64);
+refused_builder!(wr_atomic_fetch_add, u32, u64, u64);
+refused_builder!(wr_bind_mw, *mut ibv_mw, u32, *const ibv_mw_bind_info);
+refused_builder!(wr_local_inv, u32);
+refused_builder!(wr_rdma_read, u32, u64);
+refused_builder!(wr_rdma_write, u32, u64);
+refused_builder!(wr_rdma_write_imm, u32, u64, __be32);
+refused_builder!(wr_send_inv, u32);
+refused_builder!(wr_send_tso, *mut c_void, u16, u16);
+refused_builder!(wr_set_ud_addr, *mut ibv_ah, u32, u32);
+refused_builder!(wr_set_xrc_srqn, u32);
+refused_builder!(wr_atomic_write, u32, u64, *const c_void);
+
+pub(crate) fn install_wr_ops(qp: &mut ibv_qp_ex) {
+    qp.wr_start = Some(wr_start);
+    qp.wr_complete = Some(wr_complete);
+    qp.wr_abort = Some(wr_abort);
+    qp.wr_send = Some(wr_send);
+    qp.wr_send_imm = Some(wr_send_imm);
+    qp.wr_set_sge = Some(wr_set_sge);
+    qp.wr_set_sge_list = Some(wr_set_sge_list);
+    qp.wr_set_inline_data = Some(wr_set_inline_data);
+    qp.wr_set_inline_data_list = Some(wr_set_inline_data_list);
+    qp.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
+    qp.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
+    qp.wr_bind_mw = Some(wr_bind_mw);
+    qp.wr_local_inv = Some(wr_local_inv);
+    qp.wr_rdma_read = Some(wr_rdma_read);
+    qp.wr_rdma_write = Some(wr_rdma_write);
+    qp.wr_rdma_write_imm = Some(wr_rdma_write_imm);
+    qp.wr_send_inv = Some(wr_send_inv);
+    qp.wr_send_tso = Some(wr_send_tso);
+    qp.wr_set_ud_addr = Some(wr_set_ud_addr);
+    qp.wr_set_xrc_srqn = Some(wr_set_xrc_srqn);
+    qp.wr_atomic_write = Some(wr_atomic_write);
+}

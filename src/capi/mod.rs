@@ -1,0 +1,12 @@
+//! The exported C ABI: the only place with `#[unsafe(no_mangle)]`. Each file is one family
+//! of exports; each export checks pointers, converts, calls the safe core, and maps the
+//! result to rdma-core's return convention (see `boundary`).
+
+pub(crate) mod boundary;
+mod ibv_cq;
+mod ibv_device;
+mod ibv_pd_mr;
+mod ibv_qp;
+pub(crate) mod layout;
+mod ops;
+mod passthrough;

@@ -1,0 +1,220 @@
+//! The engine between verbs semantics and UCX: one UCP worker per process, the progress
+//! thread, addressing, and the message dispatch (docs/design.md).
+//!
+//! * [`Engine::get`] starts everything on the first `ibv_open_device`: loads UCX, creates the
+//!   context and worker, claims this process's LID in the per-host directory, starts the
+//!   progress thread and the LID query service.
+//! * Every UCX call runs under the worker lock ([`LockedWorker`]); lock order is
+//!   worker → queue pair → completion queue, and no UCX call is made while holding a queue
+//!   pair lock that a callback could need (callbacks only run inside `progress`).
+//! * The progress thread sleeps on the worker's event fd, so completions reach CQs and
+//!   completion channels, and peers' messages are answered, while the application does not
+//!   call into ugdr at all. `ibv_poll_cq` also progresses (if the lock is free), for latency.
+
+#![forbid(unsafe_code)]
+
+pub mod address;
+pub mod wire;
+
+use crate::fake_verbs::qp::{Peer, QueuePair};
+use crate::fake_verbs::work::WcStatus;
+use crate::fake_verbs::VerbsError;
+use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
+use address::{Directory, HostNetwork, LidClaim};
+use dashmap::DashMap;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub struct Engine {
+    pub worker: Arc<Worker>,
+    pub network: HostNetwork,
+    pub lid: u16,
+    pub gid: [u8; 16],
+    directory: Directory,
+    claim: LidClaim,
+    /// Endpoints by remote worker address; a failed endpoint is replaced on next use.
+    endpoints: Mutex<HashMap<Vec<u8>, Arc<Endpoint>>>,
+    qps: DashMap<u32, Arc<QueuePair>>,
+    next_qpn: AtomicU32,
+    pub query_service: Result<u16, String>,
+}
+
+static ENGINE: OnceLock<Result<Engine, VerbsError>> = OnceLock::new();
+
+/// The host network as seen before the engine starts (device GUIDs need it, UCX does not).
+pub fn host_network() -> &'static HostNetwork {
+    static NET: OnceLock<HostNetwork> = OnceLock::new();
+    NET.get_or_init(HostNetwork::discover)
+}
+
+impl Engine {
+    /// The process's engine, started on first use.
+    pub fn get() -> Result<&'static Engine, VerbsError> {
+        ENGINE.get_or_init(Engine::start).as_ref().map_err(Clone::clone)
+    }
+
+    /// The engine if something already started it.
+    pub fn running() -> Option<&'static Engine> {
+        ENGINE.get().and_then(|e| e.as_ref().ok())
+    }
+
+    fn start() -> Result<Engine, VerbsError> {
+        let context = ucp::Context::new()?;
+        let worker = Worker::new(context)?;
+        worker.set_am_handler(wire::AM_ID, Box::new(dispatch))?;
+        let address = worker.lock().address()?;
+        let network = host_network().clone();
+        let directory = Directory::open()?;
+        let claim = directory.claim(network.host_tag(), &address)?;
+        let lid = claim.lid;
+        let gid = address::port_gid(network.ipv4, lid);
+        let query_service = match address::bind_query_listener() {
+            Ok(listener) => {
+                let dir = Directory::open()?;
+                let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+                std::thread::Builder::new()
+                    .name("ugdr-lid-query".into())
+                    .spawn(move || address::serve_queries(listener, dir))
+                    .map_err(|e| VerbsError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+                Ok(port)
+            }
+            Err(e) => {
+                tracing::warn!("lid query service unavailable: {e}; peers on other hosts cannot find this port");
+                Err(e.to_string())
+            }
+        };
+        let progress_worker = Arc::clone(&worker);
+        std::thread::Builder::new()
+            .name("ugdr-progress".into())
+            .spawn(move || progress_loop(&progress_worker))
+            .map_err(|e| VerbsError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+        let seed = (std::process::id() & 0xffff) << 8;
+        tracing::debug!("engine up: lid {lid:#06x} ip {} address {} bytes", network.ipv4, address.len());
+        Ok(Engine {
+            worker,
+            network,
+            lid,
+            gid,
+            directory,
+            claim,
+            endpoints: Mutex::new(HashMap::new()),
+            qps: DashMap::new(),
+            next_qpn: AtomicU32::new(seed.max(0x100)),
+            query_service,
+        })
+    }
+
+    /// Removes this process's entry from the per-host directory (at exit).
+    pub fn shutdown(&self) {
+        self.directory.release(&self.claim);
+    }
+
+    /// A QP number not in use in this process (24 bits, never 0 or 1).
+    pub fn allocate_qpn(&self) -> u32 {
+        loop {
+            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
+            if n > 1 && !self.qps.contains_key(&n) {
+                return n;
+            }
+        }
+    }
+
+    pub fn register_qp(&self, qp: Arc<QueuePair>) {
+        self.qps.insert(qp.qp_num, qp);
+    }
+
+    pub fn unregister_qp(&self, qpn: u32) -> Option<Arc<QueuePair>> {
+        self.qps.remove(&qpn).map(|(_, qp)| qp)
+    }
+
+    /// Finds the worker address of the port named by `dlid` (or `dgid`). Blocking (it may
+    /// ask another host): call without the worker lock.
+    pub fn resolve(&self, dlid: u16, dgid: Option<&[u8; 16]>) -> Result<Vec<u8>, VerbsError> {
+        address::resolve(&self.network, &self.directory, dlid, dgid).map_err(|e| {
+            tracing::debug!("resolve: {e}");
+            VerbsError::Invalid("destination port not found")
+        })
+    }
+
+    /// The endpoint to a remote worker (one per remote worker, shared by its QPs).
+    pub fn connect(&self, locked: &LockedWorker<'_>, remote: &[u8], remote_qpn: u32) -> Result<Peer, VerbsError> {
+        let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ep) = eps.get(remote).filter(|ep| !ep.failed()) {
+            return Ok(Peer { endpoint: Arc::clone(ep), qpn: remote_qpn });
+        }
+        let key = remote.to_vec();
+        let failed_key = key.clone();
+        let ep = Endpoint::connect(locked, remote, Box::new(move |locked, err| endpoint_failed(locked, &failed_key, err)))?;
+        eps.insert(key, Arc::clone(&ep));
+        Ok(Peer { endpoint: ep, qpn: remote_qpn })
+    }
+
+    /// The UCX lanes a connection to a worker on this host uses (an endpoint to itself).
+    pub fn loopback_transports(&self) -> Result<String, VerbsError> {
+        let locked = self.worker.lock();
+        let own = locked.address()?;
+        let peer = self.connect(&locked, &own, 0)?;
+        Ok(peer.endpoint.transport_info(&locked))
+    }
+
+    /// Progress from an application thread (ibv_poll_cq): skipped when another thread is
+    /// already progressing.
+    pub fn progress_from_app(&self) {
+        if let Some(locked) = self.worker.try_lock() {
+            locked.progress();
+        }
+    }
+}
+
+/// A peer became unreachable: every QP connected through this endpoint fails.
+fn endpoint_failed(locked: &LockedWorker<'_>, remote: &[u8], err: ucp::Error) {
+    let Some(engine) = Engine::running() else { return };
+    tracing::debug!("endpoint to a peer failed: {err}");
+    let failed: Vec<Arc<QueuePair>> = engine
+        .qps
+        .iter()
+        .filter(|q| q.value().peer_endpoint().is_some_and(|ep| ep.failed()))
+        .map(|q| Arc::clone(q.value()))
+        .collect();
+    for qp in failed {
+        qp.fail(locked, WcStatus::RetryExcErr);
+    }
+    if let Ok(mut eps) = engine.endpoints.try_lock() {
+        eps.remove(remote);
+    }
+}
+
+/// The active-message handler: routes a message to its queue pair.
+fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) -> bool {
+    let Some(h) = wire::Header::decode(header) else {
+        tracing::warn!("dropping a message with an unknown header ({} bytes)", header.len());
+        return false;
+    };
+    let Some(engine) = Engine::running() else { return false };
+    let Some(qp) = engine.qps.get(&h.dst_qpn).map(|q| Arc::clone(q.value())) else {
+        tracing::debug!("dropping {:?} for unknown qp {:#x}", h.op, h.dst_qpn);
+        return false;
+    };
+    match h.op {
+        wire::Op::Send => qp.on_send(locked, h, payload),
+        wire::Op::Ack => {
+            qp.on_ack(locked, &h);
+            false
+        }
+    }
+}
+
+fn progress_loop(worker: &Worker) {
+    let efd = worker.event_fd();
+    loop {
+        {
+            let locked = worker.lock();
+            while locked.progress() > 0 {}
+            if !locked.arm() {
+                continue;
+            }
+        }
+        ucp::wait_readable(&[efd], 100);
+    }
+}

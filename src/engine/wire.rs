@@ -1,0 +1,170 @@
+//! The header of every ugdr message (one UCP active message, id [`AM_ID`]).
+//!
+//! Fixed 40 bytes, little endian, versioned by the first byte:
+//!
+//! | off | size | field |
+//! |----:|-----:|-------|
+//! | 0 | 1 | version ([`VERSION`]) |
+//! | 1 | 1 | opcode ([`Op`]) |
+//! | 2 | 1 | flags ([`FLAG_SOLICITED`], [`FLAG_IMM`]) |
+//! | 3 | 1 | status (0, or the NAK syndrome of an ACK, [`Nak`]) |
+//! | 4 | 4 | destination QP number |
+//! | 8 | 4 | source QP number |
+//! | 12 | 2 | source LID |
+//! | 14 | 2 | reserved |
+//! | 16 | 4 | sequence number (per QP connection, from 0) |
+//! | 20 | 4 | immediate data (as posted: network byte order) |
+//! | 24 | 8 | remote address (RDMA operations) |
+//! | 32 | 4 | rkey (RDMA operations) |
+//! | 36 | 4 | length (RDMA READ: bytes requested) |
+
+/// The active-message id all ugdr traffic uses.
+pub const AM_ID: u32 = 0x4755; // "GU"
+pub const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 40;
+
+pub const FLAG_SOLICITED: u8 = 1 << 0;
+pub const FLAG_IMM: u8 = 1 << 1;
+
+/// Message kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    /// SEND or SEND_WITH_IMM: consumes a receive at the destination QP.
+    Send = 1,
+    /// Acknowledges every message up to and including `seq` (status 0), or refuses `seq`
+    /// (status = a [`Nak`] syndrome).
+    Ack = 2,
+}
+
+/// Why a responder refused a message (carried in an ACK's status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Nak {
+    /// The receive buffer was too small or malformed (requester: REM_INV_REQ_ERR).
+    InvalidRequest = 1,
+    /// The responder failed locally, e.g. a bad lkey in its receive WR (requester: REM_OP_ERR).
+    RemoteOperational = 2,
+    /// Remote access violation (requester: REM_ACCESS_ERR).
+    RemoteAccess = 3,
+}
+
+impl Nak {
+    pub fn from_raw(v: u8) -> Option<Nak> {
+        Some(match v {
+            1 => Nak::InvalidRequest,
+            2 => Nak::RemoteOperational,
+            3 => Nak::RemoteAccess,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub op: Op,
+    pub flags: u8,
+    pub status: u8,
+    pub dst_qpn: u32,
+    pub src_qpn: u32,
+    pub src_lid: u16,
+    pub seq: u32,
+    pub imm_data: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub length: u32,
+}
+
+impl Header {
+    pub fn new(op: Op, dst_qpn: u32, src_qpn: u32, src_lid: u16, seq: u32) -> Header {
+        Header { op, flags: 0, status: 0, dst_qpn, src_qpn, src_lid, seq, imm_data: 0, remote_addr: 0, rkey: 0, length: 0 }
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = VERSION;
+        b[1] = self.op as u8;
+        b[2] = self.flags;
+        b[3] = self.status;
+        b[4..8].copy_from_slice(&self.dst_qpn.to_le_bytes());
+        b[8..12].copy_from_slice(&self.src_qpn.to_le_bytes());
+        b[12..14].copy_from_slice(&self.src_lid.to_le_bytes());
+        b[16..20].copy_from_slice(&self.seq.to_le_bytes());
+        b[20..24].copy_from_slice(&self.imm_data.to_le_bytes());
+        b[24..32].copy_from_slice(&self.remote_addr.to_le_bytes());
+        b[32..36].copy_from_slice(&self.rkey.to_le_bytes());
+        b[36..40].copy_from_slice(&self.length.to_le_bytes());
+        b
+    }
+
+    /// None for a short header, another version or an unknown opcode.
+    pub fn decode(b: &[u8]) -> Option<Header> {
+        if b.len() < HEADER_LEN || b[0] != VERSION {
+            return None;
+        }
+        let op = match b[1] {
+            1 => Op::Send,
+            2 => Op::Ack,
+            _ => return None,
+        };
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        Some(Header {
+            op,
+            flags: b[2],
+            status: b[3],
+            dst_qpn: u32_at(4),
+            src_qpn: u32_at(8),
+            src_lid: u16::from_le_bytes([b[12], b[13]]),
+            seq: u32_at(16),
+            imm_data: u32_at(20),
+            remote_addr: u64::from_le_bytes(b[24..32].try_into().ok()?),
+            rkey: u32_at(32),
+            length: u32_at(36),
+        })
+    }
+}
+
+/// `a` comes before `b` in 32-bit sequence space (wrapping).
+pub fn seq_before(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) < 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips_every_field() {
+        let mut h = Header::new(Op::Send, 0xabcdef, 0x123456, 0x0102, 0xfffffffe);
+        h.flags = FLAG_IMM | FLAG_SOLICITED;
+        h.status = 3;
+        h.imm_data = 0xdeadbeef;
+        h.remote_addr = 0x1122334455667788;
+        h.rkey = 0x99aabbcc;
+        h.length = 4096;
+        let b = h.encode();
+        assert_eq!(b[0], VERSION);
+        assert_eq!(Header::decode(&b), Some(h));
+    }
+
+    #[test]
+    fn decode_refuses_short_foreign_and_unknown() {
+        let b = Header::new(Op::Ack, 1, 2, 3, 4).encode();
+        assert!(Header::decode(&b[..HEADER_LEN - 1]).is_none());
+        let mut other = b;
+        other[0] = VERSION + 1;
+        assert!(Header::decode(&other).is_none());
+        let mut unknown = b;
+        unknown[1] = 0x7f;
+        assert!(Header::decode(&unknown).is_none());
+    }
+
+    #[test]
+    fn sequence_comparison_wraps() {
+        assert!(seq_before(1, 2));
+        assert!(!seq_before(2, 1));
+        assert!(!seq_before(5, 5));
+        assert!(seq_before(u32::MAX, 0));
+        assert!(!seq_before(0, u32::MAX));
+    }
+}

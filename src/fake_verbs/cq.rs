@@ -1,0 +1,217 @@
+//! Completion queues and completion channels.
+
+use super::context::{DeviceContext, EVENT_CQ_ERR};
+use super::event_queue::EventQueue;
+use super::work::{WcStatus, WorkCompletion};
+use super::VerbsError;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// A completion channel (`ibv_comp_channel`): delivers "CQ has a completion" events, one per
+/// arming, through a pollable fd. Events carry the C handle of the CQ.
+pub struct CompletionChannel {
+    pub context: Arc<DeviceContext>,
+    pub events: EventQueue<usize>,
+    users: AtomicUsize,
+}
+
+impl CompletionChannel {
+    pub fn new(context: Arc<DeviceContext>) -> Result<Arc<CompletionChannel>, VerbsError> {
+        let events = EventQueue::new()?;
+        context.adopt_child();
+        Ok(Arc::new(CompletionChannel { context, events, users: AtomicUsize::new(0) }))
+    }
+
+    /// `ibv_destroy_comp_channel` fails with EBUSY while CQs use the channel.
+    pub fn check_destroyable(&self) -> Result<(), VerbsError> {
+        if self.users.load(Ordering::Acquire) != 0 {
+            return Err(VerbsError::Busy("completion channel still has CQs"));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CompletionChannel {
+    fn drop(&mut self) {
+        self.context.release_child();
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arming {
+    Off,
+    Any,
+    SolicitedOnly,
+}
+
+struct Ring {
+    entries: VecDeque<WorkCompletion>,
+    capacity: usize,
+    arming: Arming,
+    overrun: bool,
+}
+
+/// A completion queue: a bounded ring of completions, notification arming, and the
+/// bookkeeping of `ibv_get_cq_event`/`ibv_ack_cq_events`.
+pub struct CompletionQueue {
+    pub context: Arc<DeviceContext>,
+    pub channel: Option<Arc<CompletionChannel>>,
+    /// The C handle (`struct ibv_cq *`) of this CQ, for events.
+    handle: AtomicUsize,
+    ring: Mutex<Ring>,
+    users: AtomicUsize,
+    events: Mutex<(u64, u64)>, // (delivered, acknowledged)
+    events_acked: Condvar,
+}
+
+impl CompletionQueue {
+    pub fn new(context: Arc<DeviceContext>, capacity: usize, channel: Option<Arc<CompletionChannel>>) -> Arc<CompletionQueue> {
+        context.adopt_child();
+        if let Some(ch) = &channel {
+            ch.users.fetch_add(1, Ordering::AcqRel);
+        }
+        Arc::new(CompletionQueue {
+            context,
+            channel,
+            handle: AtomicUsize::new(0),
+            ring: Mutex::new(Ring { entries: VecDeque::with_capacity(capacity.min(4096)), capacity, arming: Arming::Off, overrun: false }),
+            users: AtomicUsize::new(0),
+            events: Mutex::new((0, 0)),
+            events_acked: Condvar::new(),
+        })
+    }
+
+    pub fn set_handle(&self, handle: usize) {
+        self.handle.store(handle, Ordering::Release);
+    }
+
+    pub fn handle(&self) -> usize {
+        self.handle.load(Ordering::Acquire)
+    }
+
+    fn ring(&self) -> std::sync::MutexGuard<'_, Ring> {
+        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.ring().capacity
+    }
+
+    /// Adds a completion. A full CQ is an overrun: the completion is lost and
+    /// IBV_EVENT_CQ_ERR is raised, as on hardware.
+    pub fn push(&self, wc: WorkCompletion, solicited: bool) {
+        let notify = {
+            let mut ring = self.ring();
+            if ring.entries.len() >= ring.capacity {
+                if !ring.overrun {
+                    ring.overrun = true;
+                    tracing::warn!("cq {:#x}: overrun (capacity {}), completion of wr_id {} lost", self.handle(), ring.capacity, wc.wr_id);
+                    self.context.raise(EVENT_CQ_ERR, self.handle());
+                }
+                return;
+            }
+            ring.entries.push_back(wc);
+            let fire = match ring.arming {
+                Arming::Off => false,
+                Arming::Any => true,
+                Arming::SolicitedOnly => solicited || wc.status != WcStatus::Success,
+            };
+            if fire {
+                ring.arming = Arming::Off;
+            }
+            fire
+        };
+        if notify {
+            if let Some(ch) = &self.channel {
+                ch.events.push(self.handle());
+            }
+        }
+    }
+
+    /// Takes up to `max` completions, oldest first.
+    pub fn poll(&self, max: usize, mut sink: impl FnMut(&WorkCompletion)) -> usize {
+        let mut ring = self.ring();
+        let n = max.min(ring.entries.len());
+        for wc in ring.entries.drain(..n) {
+            sink(&wc);
+        }
+        n
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ring().entries.is_empty()
+    }
+
+    /// `ibv_req_notify_cq`: the next completion (or the next solicited one) fires an event.
+    /// A completion already queued does not (the application polls after arming).
+    pub fn arm(&self, solicited_only: bool) -> Result<(), VerbsError> {
+        if self.channel.is_none() {
+            // rdma-core providers accept arming a CQ without a channel; nothing will fire.
+            return Ok(());
+        }
+        let mut ring = self.ring();
+        ring.arming = match (ring.arming, solicited_only) {
+            (Arming::Any, _) | (_, false) => Arming::Any,
+            _ => Arming::SolicitedOnly,
+        };
+        Ok(())
+    }
+
+    /// `ibv_resize_cq`: at least `cqe` entries and never fewer than are queued.
+    pub fn resize(&self, cqe: usize) -> Result<usize, VerbsError> {
+        let mut ring = self.ring();
+        if cqe < ring.entries.len() {
+            return Err(VerbsError::Invalid("cq smaller than the completions it holds"));
+        }
+        ring.capacity = cqe;
+        ring.overrun = false;
+        Ok(cqe)
+    }
+
+    pub fn adopt_user(&self) {
+        self.users.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn release_user(&self) {
+        self.users.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// `ibv_destroy_cq` fails with EBUSY while QPs use the CQ.
+    pub fn check_destroyable(&self) -> Result<(), VerbsError> {
+        if self.users.load(Ordering::Acquire) != 0 {
+            return Err(VerbsError::Busy("cq still used by queue pairs"));
+        }
+        Ok(())
+    }
+
+    /// Counts one event handed to the application by `ibv_get_cq_event`.
+    pub fn event_delivered(&self) {
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).0 += 1;
+    }
+
+    /// `ibv_ack_cq_events`.
+    pub fn ack_events(&self, n: u64) {
+        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        ev.1 += n;
+        self.events_acked.notify_all();
+    }
+
+    /// Blocks until every delivered event is acknowledged (`ibv_destroy_cq` does, in rdma-core).
+    pub fn wait_events_acked(&self) {
+        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        while ev.1 < ev.0 {
+            ev = self.events_acked.wait(ev).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Detaches from the context and channel when the CQ is destroyed.
+    pub fn destroy(&self) {
+        if let Some(ch) = &self.channel {
+            let me = self.handle();
+            ch.events.discard(|h| *h == me);
+            ch.users.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.context.release_child();
+    }
+}

@@ -1,0 +1,65 @@
+//! A queue of events behind a real, pollable file descriptor: one byte per event on a
+//! socketpair, so applications can `poll()`/`select()` the fd, make it non-blocking, or block
+//! in a read, exactly as with the kernel's completion-channel and async-event fds.
+
+use super::VerbsError;
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Mutex;
+
+pub struct EventQueue<T> {
+    /// The end the application reads (its fd is what the application sees).
+    reader: UnixStream,
+    writer: UnixStream,
+    events: Mutex<VecDeque<T>>,
+}
+
+impl<T> EventQueue<T> {
+    pub fn new() -> Result<EventQueue<T>, VerbsError> {
+        let (reader, writer) = UnixStream::pair()?;
+        writer.set_nonblocking(true)?;
+        Ok(EventQueue { reader, writer, events: Mutex::new(VecDeque::new()) })
+    }
+
+    /// The fd the application polls and reads.
+    pub fn fd(&self) -> RawFd {
+        self.reader.as_raw_fd()
+    }
+
+    /// Queues an event and makes the fd readable.
+    pub fn push(&self, event: T) {
+        let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        q.push_back(event);
+        // One byte per event; the socket buffer holds far more events than the bounded
+        // sources (armed CQs, QP errors) can produce between two reads.
+        if let Err(e) = (&self.writer).write(&[1u8]) {
+            tracing::warn!("event fd {}: cannot signal event: {e}", self.fd());
+        }
+    }
+
+    /// Takes the next event: blocks while none is queued, unless the application made the fd
+    /// non-blocking (then `WouldBlock`, errno EAGAIN).
+    pub fn wait(&self) -> Result<T, VerbsError> {
+        loop {
+            let mut byte = [0u8; 1];
+            match (&self.reader).read(&mut byte) {
+                Ok(1) => {}
+                Ok(_) => return Err(VerbsError::Os(libc::EIO)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.into()),
+            }
+            let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(ev) = q.pop_front() {
+                return Ok(ev);
+            }
+        }
+    }
+
+    /// Drops every queued event matching `pred` (their bytes stay, and are skipped by `wait`).
+    pub fn discard(&self, pred: impl Fn(&T) -> bool) {
+        let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        q.retain(|e| !pred(e));
+    }
+}

@@ -1,0 +1,22 @@
+//! Verbs objects and their semantics, in safe Rust.
+//!
+//! Object graph (as rdma-core's): [`device`] → [`context::DeviceContext`] (async events) →
+//! [`pd::ProtectionDomain`] → [`mr::MemoryRegion`]; [`cq::CompletionQueue`] (optionally on a
+//! [`cq::CompletionChannel`]); [`qp::QueuePair`] (PD + send/recv CQs), whose state machine is
+//! [`qp_state`]. Children hold their parents (`Arc`) and count themselves in, so destroying a
+//! parent that still has children fails with EBUSY as rdma-core's does.
+
+#![forbid(unsafe_code)]
+
+pub mod context;
+pub mod cq;
+pub mod device;
+mod error;
+pub mod event_queue;
+pub mod mr;
+pub mod pd;
+pub mod qp;
+pub mod qp_state;
+pub mod work;
+
+pub use error::VerbsError;

@@ -1,0 +1,111 @@
+//! Memory regions: keys, access flags, and the checks a HCA makes on every SGE.
+
+use super::pd::ProtectionDomain;
+use super::work::Sge;
+use super::VerbsError;
+use crate::ucp::{AppRegion, AppSpan};
+use dashmap::DashMap;
+use smallvec::SmallVec;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, LazyLock};
+
+/// `enum ibv_access_flags` bits.
+pub const ACCESS_LOCAL_WRITE: u32 = 1;
+pub const ACCESS_REMOTE_WRITE: u32 = 1 << 1;
+pub const ACCESS_REMOTE_READ: u32 = 1 << 2;
+pub const ACCESS_REMOTE_ATOMIC: u32 = 1 << 3;
+pub const ACCESS_MW_BIND: u32 = 1 << 4;
+pub const ACCESS_ZERO_BASED: u32 = 1 << 5;
+pub const ACCESS_ON_DEMAND: u32 = 1 << 6;
+pub const ACCESS_HUGETLB: u32 = 1 << 7;
+/// IBV_ACCESS_OPTIONAL_RANGE: bits 20..29, hints a device may ignore (relaxed ordering, …).
+pub const ACCESS_OPTIONAL_RANGE: u32 = 0x3ff0_0000;
+const ACCESS_SUPPORTED: u32 = ACCESS_LOCAL_WRITE
+    | ACCESS_REMOTE_WRITE
+    | ACCESS_REMOTE_READ
+    | ACCESS_REMOTE_ATOMIC
+    | ACCESS_MW_BIND
+    | ACCESS_HUGETLB
+    | ACCESS_OPTIONAL_RANGE;
+
+pub struct MemoryRegion {
+    pub pd: Arc<ProtectionDomain>,
+    pub region: AppRegion,
+    /// The address the peer uses for this region (iova; equals the address for ibv_reg_mr).
+    pub iova: u64,
+    pub access: u32,
+    pub lkey: u32,
+    pub rkey: u32,
+}
+
+/// Every live MR of the process, by key (lkey == rkey).
+static REGIONS: LazyLock<DashMap<u32, Arc<MemoryRegion>>> = LazyLock::new(DashMap::new);
+static NEXT_KEY: AtomicU32 = AtomicU32::new(0);
+
+fn next_key() -> u32 {
+    loop {
+        // Spread keys so that stale or guessed keys rarely name a live MR; never 0.
+        let n = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
+        let key = n.wrapping_mul(0x9e37_79b1) ^ std::process::id().rotate_left(16);
+        if key != 0 && !REGIONS.contains_key(&key) {
+            return key;
+        }
+    }
+}
+
+/// Checks `access` as rdma-core and the kernel do: remote write or atomic needs local write.
+pub fn check_access(access: u32) -> Result<(), VerbsError> {
+    if access & !ACCESS_SUPPORTED != 0 {
+        return Err(VerbsError::Invalid("unknown or unsupported access flags"));
+    }
+    if access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0 && access & ACCESS_LOCAL_WRITE == 0 {
+        return Err(VerbsError::Invalid("remote write/atomic access requires local write"));
+    }
+    Ok(())
+}
+
+impl MemoryRegion {
+    pub fn register(pd: &Arc<ProtectionDomain>, region: AppRegion, iova: u64, access: u32) -> Result<Arc<MemoryRegion>, VerbsError> {
+        check_access(access)?;
+        if region.is_empty() {
+            return Err(VerbsError::Invalid("zero-length memory region"));
+        }
+        if region.addr().checked_add(region.len()).is_none() || iova.checked_add(region.len()).is_none() {
+            return Err(VerbsError::Invalid("memory region wraps the address space"));
+        }
+        let key = next_key();
+        let mr = Arc::new(MemoryRegion { pd: Arc::clone(pd), region, iova, access, lkey: key, rkey: key });
+        pd.adopt_child();
+        REGIONS.insert(key, Arc::clone(&mr));
+        Ok(mr)
+    }
+
+    /// Revokes the keys at once; operations already holding the MR finish.
+    pub fn deregister(&self) {
+        REGIONS.remove(&self.lkey);
+        self.pd.release_child();
+    }
+}
+
+/// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, and local write for
+/// receive buffers) and returns the spans; `None` is a local protection error.
+pub fn local_spans(pd: &Arc<ProtectionDomain>, sges: &[Sge], need_write: bool) -> Option<SmallVec<[AppSpan; 4]>> {
+    let mut spans = SmallVec::new();
+    for sge in sges {
+        if sge.length == 0 {
+            continue;
+        }
+        let mr = REGIONS.get(&sge.lkey).map(|r| Arc::clone(r.value()))?;
+        if !Arc::ptr_eq(&mr.pd, pd) {
+            return None;
+        }
+        if need_write && mr.access & ACCESS_LOCAL_WRITE == 0 {
+            return None;
+        }
+        // The SGE address is in the MR's iova space; translate to the process address.
+        let offset = sge.addr.checked_sub(mr.iova)?;
+        let addr = mr.region.addr().checked_add(offset)?;
+        spans.push(mr.region.span(addr, u64::from(sge.length))?);
+    }
+    Some(spans)
+}

@@ -1,0 +1,40 @@
+//! Protection domain.
+
+use super::context::DeviceContext;
+use super::VerbsError;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+pub struct ProtectionDomain {
+    pub context: Arc<DeviceContext>,
+    children: AtomicUsize,
+}
+
+impl ProtectionDomain {
+    pub fn new(context: Arc<DeviceContext>) -> Arc<ProtectionDomain> {
+        context.adopt_child();
+        Arc::new(ProtectionDomain { context, children: AtomicUsize::new(0) })
+    }
+
+    pub fn adopt_child(&self) {
+        self.children.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn release_child(&self) {
+        self.children.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// `ibv_dealloc_pd` fails with EBUSY while MRs, QPs, SRQs or AHs still use the PD.
+    pub fn check_deallocatable(&self) -> Result<(), VerbsError> {
+        if self.children.load(Ordering::Acquire) != 0 {
+            return Err(VerbsError::Busy("protection domain still has MRs, QPs, SRQs or AHs"));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ProtectionDomain {
+    fn drop(&mut self) {
+        self.context.release_child();
+    }
+}

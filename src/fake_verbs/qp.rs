@@ -1,0 +1,834 @@
+//! Queue pairs: the send and receive queues, the state machine, and RC semantics on top of
+//! the engine's messages (docs/design.md): in-order delivery by sequence number, send
+//! completions in post order once the responder acknowledged, and flush-on-error.
+
+use super::cq::CompletionQueue;
+use super::mr::local_spans;
+use super::pd::ProtectionDomain;
+use super::qp_state::{check_transition, AttrMask, QpState, QpType, TransitionError};
+use super::work::{RecvRequest, SendOpcode, SendRequest, WcOpcode, WcStatus, WorkCompletion, WC_WITH_IMM};
+use super::{device, VerbsError};
+use crate::engine::wire::{self, Header, Nak, Op};
+use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendPayload};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Queue sizes granted at creation (`ibv_qp_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QpCaps {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+impl QpCaps {
+    /// What ugdr grants for a request (`ibv_create_qp` may raise, never lower, the caps).
+    pub fn grant(requested: QpCaps) -> Result<QpCaps, VerbsError> {
+        let max_wr = device::MAX_QP_WR as u32;
+        let max_sge = device::MAX_SGE as u32;
+        if requested.max_send_wr > max_wr || requested.max_recv_wr > max_wr {
+            return Err(VerbsError::Invalid("more work requests than max_qp_wr"));
+        }
+        if requested.max_send_sge > max_sge || requested.max_recv_sge > max_sge {
+            return Err(VerbsError::Invalid("more SGEs than max_sge"));
+        }
+        if requested.max_inline_data > device::MAX_INLINE_DATA {
+            return Err(VerbsError::Invalid("max_inline_data above the device limit"));
+        }
+        Ok(QpCaps {
+            max_send_wr: requested.max_send_wr.max(1),
+            max_recv_wr: requested.max_recv_wr.max(1),
+            max_send_sge: requested.max_send_sge.max(1),
+            max_recv_sge: requested.max_recv_sge.max(1),
+            max_inline_data: requested.max_inline_data.max(64),
+        })
+    }
+}
+
+/// Global routing header fields of an address vector (`ibv_global_route`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GlobalRoute {
+    pub dgid: [u8; 16],
+    pub flow_label: u32,
+    pub sgid_index: u8,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+}
+
+/// An address vector (`ibv_ah_attr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AddressVector {
+    pub dlid: u16,
+    pub sl: u8,
+    pub src_path_bits: u8,
+    pub static_rate: u8,
+    pub is_global: bool,
+    pub port_num: u8,
+    pub grh: GlobalRoute,
+}
+
+/// The attributes `ibv_modify_qp` sets and `ibv_query_qp` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QpAttributes {
+    pub qkey: u32,
+    pub rq_psn: u32,
+    pub sq_psn: u32,
+    pub dest_qp_num: u32,
+    pub access_flags: u32,
+    pub pkey_index: u16,
+    pub port_num: u8,
+    pub path_mtu: u32,
+    pub ah: AddressVector,
+    pub alt_ah: AddressVector,
+    pub alt_pkey_index: u16,
+    pub alt_port_num: u8,
+    pub alt_timeout: u8,
+    pub path_mig_state: u32,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub min_rnr_timer: u8,
+    pub max_rd_atomic: u8,
+    pub max_dest_rd_atomic: u8,
+    pub en_sqd_async_notify: u8,
+}
+
+/// One `ibv_modify_qp` call, converted.
+#[derive(Debug, Clone, Copy)]
+pub struct ModifyRequest {
+    pub mask: AttrMask,
+    pub state: Option<QpState>,
+    pub claimed_cur: Option<QpState>,
+    pub attrs: QpAttributes,
+}
+
+/// The remote QP an RC/UC QP is connected to, and the endpoint to its process.
+#[derive(Clone)]
+pub struct Peer {
+    pub endpoint: Arc<Endpoint>,
+    pub qpn: u32,
+}
+
+struct SendEntry {
+    wr_id: u64,
+    opcode: WcOpcode,
+    signaled: bool,
+    seq: u32,
+    byte_len: u32,
+    /// Set when the entry is finished (acknowledged, or failed with this status).
+    outcome: Option<WcStatus>,
+}
+
+/// A message body kept until it can be delivered.
+enum Body {
+    Owned(Vec<u8>),
+    Held(AmData),
+}
+
+struct Pending {
+    header: Header,
+    body: Body,
+}
+
+struct Landing {
+    seq: u32,
+    wc: WorkCompletion,
+    solicited: bool,
+    landed: bool,
+}
+
+struct Queues {
+    state: QpState,
+    attrs: QpAttributes,
+    peer: Option<Peer>,
+    sq: VecDeque<SendEntry>,
+    next_send_seq: u32,
+    rq: VecDeque<RecvRequest>,
+    expected_seq: u32,
+    /// Messages that arrived ahead of `expected_seq`.
+    early: BTreeMap<u32, Pending>,
+    /// In-order messages waiting for a receive WR (RNR: kept, as with infinite rnr_retry).
+    waiting: VecDeque<Pending>,
+    /// Receives whose data is still landing (rendezvous), completed in order.
+    landing: VecDeque<Landing>,
+}
+
+pub struct QueuePair {
+    pub qp_num: u32,
+    pub qp_type: QpType,
+    pub pd: Arc<ProtectionDomain>,
+    pub send_cq: Arc<CompletionQueue>,
+    pub recv_cq: Arc<CompletionQueue>,
+    pub sq_sig_all: bool,
+    pub caps: QpCaps,
+    /// This port's LID (completions at the peer carry it as `slid`).
+    pub local_lid: u16,
+    handle: AtomicUsize,
+    queues: Mutex<Queues>,
+}
+
+/// Most messages a QP keeps for a receiver that is not yet ready (RTR) or has no WR posted.
+const MAX_KEPT_MESSAGES: usize = 1 << 16;
+
+impl QueuePair {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        qp_num: u32,
+        qp_type: QpType,
+        pd: Arc<ProtectionDomain>,
+        send_cq: Arc<CompletionQueue>,
+        recv_cq: Arc<CompletionQueue>,
+        sq_sig_all: bool,
+        caps: QpCaps,
+        local_lid: u16,
+    ) -> Result<Arc<QueuePair>, VerbsError> {
+        if qp_type != QpType::Rc {
+            return Err(VerbsError::Unsupported("queue pair type (ugdr carries RC queue pairs)"));
+        }
+        pd.adopt_child();
+        send_cq.adopt_user();
+        recv_cq.adopt_user();
+        Ok(Arc::new(QueuePair {
+            qp_num,
+            qp_type,
+            pd,
+            send_cq,
+            recv_cq,
+            sq_sig_all,
+            caps,
+            local_lid,
+            handle: AtomicUsize::new(0),
+            queues: Mutex::new(Queues {
+                state: QpState::Reset,
+                attrs: QpAttributes { port_num: device::PORT_NUM, ..Default::default() },
+                peer: None,
+                sq: VecDeque::new(),
+                next_send_seq: 0,
+                rq: VecDeque::new(),
+                expected_seq: 0,
+                early: BTreeMap::new(),
+                waiting: VecDeque::new(),
+                landing: VecDeque::new(),
+            }),
+        }))
+    }
+
+    pub fn set_handle(&self, h: usize) {
+        self.handle.store(h, Ordering::Release);
+    }
+
+    pub fn handle(&self) -> usize {
+        self.handle.load(Ordering::Acquire)
+    }
+
+    fn queues(&self) -> MutexGuard<'_, Queues> {
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn state(&self) -> QpState {
+        self.queues().state
+    }
+
+    pub fn attributes(&self) -> (QpState, QpAttributes) {
+        let q = self.queues();
+        (q.state, q.attrs)
+    }
+
+    pub fn peer_endpoint(&self) -> Option<Arc<Endpoint>> {
+        self.queues().peer.as_ref().map(|p| Arc::clone(&p.endpoint))
+    }
+
+    /// `ibv_destroy_qp`: releases kept messages and detaches from PD and CQs. No completions.
+    pub fn destroy(&self, locked: &LockedWorker<'_>) {
+        let mut q = self.queues();
+        release_kept(locked, &mut q);
+        q.sq.clear();
+        q.rq.clear();
+        q.state = QpState::Reset;
+        drop(q);
+        self.pd.release_child();
+        self.send_cq.release_user();
+        self.recv_cq.release_user();
+    }
+
+    /// Checks a modify against the state machine and the attribute values; applies it only
+    /// if all of it is valid ("none of the attributes will be modified" otherwise).
+    /// `peer` is the resolved destination when the request moves an RC QP to RTR.
+    pub fn modify(self: &Arc<Self>, locked: &LockedWorker<'_>, req: &ModifyRequest, peer: Option<Peer>) -> Result<QpState, VerbsError> {
+        let mut q = self.queues();
+        let cur = q.state;
+        let next = req.state.unwrap_or(cur);
+        check_transition(self.qp_type, cur, next, req.mask, req.claimed_cur).map_err(|e| {
+            tracing::debug!("modify qp {:#x}: {e:?}", self.qp_num);
+            match e {
+                TransitionError::Invalid { .. } => VerbsError::Invalid("invalid qp state transition"),
+                TransitionError::Missing { .. } => VerbsError::Invalid("required qp attributes missing"),
+                TransitionError::Unexpected { .. } => VerbsError::Invalid("qp attribute not allowed in this transition"),
+                TransitionError::CurStateMismatch { .. } => VerbsError::Invalid("cur_qp_state does not match"),
+            }
+        })?;
+        check_values(req)?;
+        if next == QpState::Rtr && cur != QpState::Rtr && self.qp_type == QpType::Rc && peer.is_none() {
+            return Err(VerbsError::Invalid("destination address cannot be resolved"));
+        }
+        apply_attrs(&mut q.attrs, req);
+        if next != cur || next == QpState::Reset || next == QpState::Err {
+            self.enter(locked, &mut q, next, peer);
+        }
+        Ok(q.state)
+    }
+
+    fn enter(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, next: QpState, peer: Option<Peer>) {
+        tracing::debug!("qp {:#x}: {:?} -> {:?}", self.qp_num, q.state, next);
+        match next {
+            QpState::Reset => {
+                release_kept(locked, q);
+                q.sq.clear();
+                q.rq.clear();
+                q.peer = None;
+                q.next_send_seq = 0;
+                q.expected_seq = 0;
+                q.attrs = QpAttributes { port_num: device::PORT_NUM, ..Default::default() };
+                q.state = QpState::Reset;
+            }
+            QpState::Err => {
+                q.state = QpState::Err;
+                self.flush(locked, q);
+            }
+            QpState::Rtr => {
+                q.state = QpState::Rtr;
+                q.peer = peer;
+                q.expected_seq = 0;
+                // Messages that arrived before RTR (the peer may be faster) are delivered now.
+                self.drain_early(locked, q);
+            }
+            QpState::Rts => {
+                if q.state == QpState::Rtr {
+                    q.next_send_seq = 0;
+                }
+                q.state = QpState::Rts;
+            }
+            other => q.state = other,
+        }
+    }
+
+    /// Moves the QP to ERR because of a failure the engine saw (peer gone, transport error).
+    pub fn fail(&self, locked: &LockedWorker<'_>, status: WcStatus) {
+        let mut q = self.queues();
+        if q.state == QpState::Err || q.state == QpState::Reset {
+            return;
+        }
+        if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none()) {
+            e.outcome = Some(status);
+        }
+        self.release_send_completions(&mut q);
+        q.state = QpState::Err;
+        self.flush(locked, &mut q);
+    }
+
+    /// Completes every outstanding WR with IBV_WC_WR_FLUSH_ERR, in order (sends after any
+    /// already-finished ones, then receives).
+    fn flush(&self, locked: &LockedWorker<'_>, q: &mut Queues) {
+        self.release_send_completions(q);
+        while let Some(e) = q.sq.pop_front() {
+            let status = e.outcome.unwrap_or(WcStatus::WrFlushErr);
+            let mut wc = WorkCompletion::new(e.wr_id, status, e.opcode, self.qp_num);
+            wc.byte_len = 0;
+            self.send_cq.push(wc, true);
+        }
+        for l in q.landing.drain(..) {
+            let mut wc = l.wc;
+            wc.status = WcStatus::WrFlushErr;
+            wc.byte_len = 0;
+            wc.wc_flags = 0;
+            self.recv_cq.push(wc, true);
+        }
+        for r in q.rq.drain(..) {
+            self.recv_cq.push(WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num), true);
+        }
+        release_kept(locked, q);
+    }
+
+    // ---------------------------------------------------------------- send side
+
+    /// Posts one send WR. Errors are the ones `ibv_post_send` returns (the WR is not queued);
+    /// failures found while executing it become error completions instead.
+    pub fn post_send(self: &Arc<Self>, locked: &LockedWorker<'_>, req: SendRequest) -> Result<(), VerbsError> {
+        let mut q = self.queues();
+        match q.state {
+            QpState::Rts | QpState::Sqd => {}
+            QpState::Err | QpState::Sqe => {
+                let mut wc = WorkCompletion::new(req.wr_id, WcStatus::WrFlushErr, req.opcode.completion_opcode(), self.qp_num);
+                wc.byte_len = 0;
+                self.send_cq.push(wc, true);
+                return Ok(());
+            }
+            _ => return Err(VerbsError::Invalid("post_send on a QP that is not in RTS")),
+        }
+        if q.sq.len() >= self.caps.max_send_wr as usize {
+            return Err(VerbsError::QueueFull);
+        }
+        if req.sges.len() > self.caps.max_send_sge as usize {
+            return Err(VerbsError::Invalid("num_sge above max_send_sge"));
+        }
+        if let Some(d) = &req.inline_data {
+            if d.len() > self.caps.max_inline_data as usize {
+                return Err(VerbsError::Invalid("inline data above max_inline_data"));
+            }
+        }
+        let op = match req.opcode {
+            SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
+            _ => return Err(VerbsError::Unsupported("opcode (ugdr carries SEND and SEND_WITH_IMM)")),
+        };
+        let length = req.length();
+        if length > u64::from(device::MAX_MSG_SIZE) {
+            return Err(VerbsError::Invalid("message longer than the port's max_msg_sz"));
+        }
+        let seq = q.next_send_seq;
+        q.next_send_seq = seq.wrapping_add(1);
+        q.sq.push_back(SendEntry {
+            wr_id: req.wr_id,
+            opcode: req.opcode.completion_opcode(),
+            signaled: req.signaled || self.sq_sig_all,
+            seq,
+            byte_len: length as u32,
+            outcome: None,
+        });
+        let payload = match req.inline_data {
+            Some(bytes) => SendPayload::Owned(bytes),
+            None => match local_spans(&self.pd, &req.sges, false) {
+                Some(spans) => SendPayload::Spans(spans),
+                None => {
+                    tracing::debug!("qp {:#x}: wr_id {} has a bad lkey or range", self.qp_num, req.wr_id);
+                    return Ok(self.fail_entry(locked, &mut q, seq, WcStatus::LocProtErr));
+                }
+            },
+        };
+        let Some(peer) = q.peer.clone() else {
+            return Ok(self.fail_entry(locked, &mut q, seq, WcStatus::RetryExcErr));
+        };
+        let mut header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
+        if req.opcode == SendOpcode::SendWithImm {
+            header.flags |= wire::FLAG_IMM;
+            header.imm_data = req.imm_data;
+        }
+        if req.solicited {
+            header.flags |= wire::FLAG_SOLICITED;
+        }
+        let me = Arc::clone(self);
+        let sent = peer.endpoint.am_send(
+            locked,
+            wire::AM_ID,
+            &header.encode(),
+            payload,
+            Box::new(move |locked, result| {
+                if let Err(e) = result {
+                    tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
+                    me.fail(locked, WcStatus::RetryExcErr);
+                }
+            }),
+        );
+        if let Err(e) = sent {
+            tracing::debug!("qp {:#x}: cannot send: {e}", self.qp_num);
+            self.fail_entry(locked, &mut q, seq, WcStatus::RetryExcErr);
+        }
+        Ok(())
+    }
+
+    fn fail_entry(&self, locked: &LockedWorker<'_>, q: &mut Queues, seq: u32, status: WcStatus) {
+        if let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq) {
+            e.outcome = Some(status);
+        }
+        self.release_send_completions(q);
+        q.state = QpState::Err;
+        self.flush(locked, q);
+    }
+
+    /// Releases finished send WRs from the head of the queue, in post order.
+    fn release_send_completions(&self, q: &mut Queues) {
+        while let Some(head) = q.sq.front() {
+            let Some(status) = head.outcome else { break };
+            let e = q.sq.pop_front().expect("head exists");
+            if e.signaled || status != WcStatus::Success {
+                let mut wc = WorkCompletion::new(e.wr_id, status, e.opcode, self.qp_num);
+                wc.byte_len = if status == WcStatus::Success { e.byte_len } else { 0 };
+                self.send_cq.push(wc, true);
+            }
+        }
+    }
+
+    /// An ACK (or NAK) from the responder.
+    pub fn on_ack(&self, locked: &LockedWorker<'_>, h: &Header) {
+        let mut q = self.queues();
+        if !matches!(q.state, QpState::Rts | QpState::Sqd | QpState::Sqe) {
+            return;
+        }
+        if q.peer.as_ref().map(|p| p.qpn) != Some(h.src_qpn) {
+            return;
+        }
+        match Nak::from_raw(h.status) {
+            None => {
+                for e in q.sq.iter_mut() {
+                    if wire::seq_before(h.seq, e.seq) {
+                        break;
+                    }
+                    e.outcome.get_or_insert(WcStatus::Success);
+                }
+                self.release_send_completions(&mut q);
+            }
+            Some(nak) => {
+                for e in q.sq.iter_mut() {
+                    if !wire::seq_before(e.seq, h.seq) {
+                        break;
+                    }
+                    e.outcome.get_or_insert(WcStatus::Success);
+                }
+                let status = match nak {
+                    Nak::InvalidRequest => WcStatus::RemInvReqErr,
+                    Nak::RemoteOperational => WcStatus::RemOpErr,
+                    Nak::RemoteAccess => WcStatus::RemAccessErr,
+                };
+                self.fail_entry(locked, &mut q, h.seq, status);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- receive side
+
+    /// Posts one receive WR (errors as `ibv_post_recv` returns them).
+    pub fn post_recv(self: &Arc<Self>, locked: &LockedWorker<'_>, req: RecvRequest) -> Result<(), VerbsError> {
+        let mut q = self.queues();
+        match q.state {
+            QpState::Reset => return Err(VerbsError::Invalid("post_recv on a QP in RESET")),
+            QpState::Err => {
+                self.recv_cq.push(WorkCompletion::new(req.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num), true);
+                return Ok(());
+            }
+            _ => {}
+        }
+        if q.rq.len() >= self.caps.max_recv_wr as usize {
+            return Err(VerbsError::QueueFull);
+        }
+        if req.sges.len() > self.caps.max_recv_sge as usize {
+            return Err(VerbsError::Invalid("num_sge above max_recv_sge"));
+        }
+        q.rq.push_back(req);
+        self.deliver_waiting(locked, &mut q);
+        Ok(())
+    }
+
+    /// A SEND for this QP. Returns true when the payload's data was kept (UCX must keep it).
+    pub fn on_send(self: &Arc<Self>, locked: &LockedWorker<'_>, h: Header, payload: AmPayload<'_>) -> bool {
+        let mut q = self.queues();
+        let connected = q.peer.as_ref().map(|p| p.qpn);
+        match q.state {
+            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => {
+                if connected != Some(h.src_qpn) {
+                    tracing::debug!("qp {:#x}: dropping message from qp {:#x} (not the connected peer)", self.qp_num, h.src_qpn);
+                    return false;
+                }
+            }
+            QpState::Init => {
+                // The peer is already in RTS while this side is not yet in RTR: a HCA would
+                // drop the packet and the sender retransmit; keep it instead, until RTR.
+                if q.early.len() >= MAX_KEPT_MESSAGES {
+                    return false;
+                }
+                let (body, kept) = keep(payload);
+                q.early.insert(h.seq, Pending { header: h, body });
+                return kept;
+            }
+            _ => return false,
+        }
+        if h.seq != q.expected_seq {
+            if wire::seq_before(h.seq, q.expected_seq) || q.early.len() >= MAX_KEPT_MESSAGES {
+                return false; // a duplicate, or too far ahead
+            }
+            let (body, kept) = keep(payload);
+            q.early.insert(h.seq, Pending { header: h, body });
+            return kept;
+        }
+        q.expected_seq = q.expected_seq.wrapping_add(1);
+        let kept = if q.waiting.is_empty() && !q.rq.is_empty() {
+            let wr = q.rq.pop_front().expect("checked non-empty");
+            self.deliver_current(locked, &mut q, wr, h, payload);
+            false
+        } else {
+            let (body, kept) = keep(payload);
+            q.waiting.push_back(Pending { header: h, body });
+            kept
+        };
+        self.drain_early(locked, &mut q);
+        kept
+    }
+
+    /// Moves messages that arrived early and are now next in sequence to the delivery path.
+    fn drain_early(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues) {
+        while let Some(p) = q.early.remove(&q.expected_seq) {
+            q.expected_seq = q.expected_seq.wrapping_add(1);
+            q.waiting.push_back(p);
+        }
+        if q.early.keys().next().is_some_and(|s| wire::seq_before(*s, q.expected_seq)) {
+            q.early.retain(|s, _| !wire::seq_before(*s, 0)); // unreachable in practice
+        }
+        self.deliver_waiting(locked, q);
+    }
+
+    fn deliver_waiting(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues) {
+        while !q.waiting.is_empty() && !q.rq.is_empty() && q.state != QpState::Err {
+            let p = q.waiting.pop_front().expect("checked");
+            let wr = q.rq.pop_front().expect("checked");
+            self.deliver_kept(locked, q, wr, p);
+        }
+    }
+
+    fn recv_completion(&self, wr: &RecvRequest, h: &Header, len: usize) -> WorkCompletion {
+        let mut wc = WorkCompletion::new(wr.wr_id, WcStatus::Success, WcOpcode::Recv, self.qp_num);
+        wc.byte_len = len as u32;
+        wc.src_qp = h.src_qpn;
+        wc.slid = h.src_lid;
+        if h.flags & wire::FLAG_IMM != 0 {
+            wc.wc_flags |= WC_WITH_IMM;
+            wc.imm_data = h.imm_data;
+        }
+        wc
+    }
+
+    /// Checks the receive WR against the message; on failure completes it with an error,
+    /// NAKs the sender and moves the QP to ERR.
+    fn check_receive(&self, locked: &LockedWorker<'_>, q: &mut Queues, wr: &RecvRequest, h: &Header, len: usize) -> Option<smallvec::SmallVec<[AppSpan; 4]>> {
+        let capacity: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
+        let (status, nak) = if len as u64 > capacity {
+            (WcStatus::LocLenErr, Nak::InvalidRequest)
+        } else {
+            match local_spans(&self.pd, &wr.sges, true) {
+                Some(spans) => return Some(spans),
+                None => (WcStatus::LocProtErr, Nak::RemoteOperational),
+            }
+        };
+        tracing::debug!("qp {:#x}: receive wr_id {} failed: {status:?} (message {len} bytes, buffer {capacity})", self.qp_num, wr.wr_id);
+        let mut wc = self.recv_completion(wr, h, len);
+        wc.status = status;
+        wc.byte_len = 0;
+        wc.wc_flags = 0;
+        self.release_landed(locked, q);
+        self.recv_cq.push(wc, true);
+        self.send_ack(locked, q, h.seq, Some(nak));
+        q.state = QpState::Err;
+        self.flush(locked, q);
+        None
+    }
+
+    /// Delivers the message of the running handler into `wr`.
+    fn deliver_current(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, wr: RecvRequest, h: Header, payload: AmPayload<'_>) {
+        match payload {
+            AmPayload::Transient(bytes) => self.deliver_bytes(locked, q, wr, &h, bytes),
+            AmPayload::Persistent(data) => {
+                // Consumed inside its own handler: read it and let UCX free it.
+                self.deliver_bytes(locked, q, wr, &h, data.bytes());
+                std::mem::forget(data);
+            }
+            AmPayload::Rendezvous(data) => {
+                let Some(spans) = self.check_receive(locked, q, &wr, &h, data.len()) else {
+                    std::mem::forget(data); // dropped by returning UCS_OK from the handler
+                    return;
+                };
+                let wc = self.recv_completion(&wr, &h, data.len());
+                self.start_landing(locked, q, data, &spans, wc, &h);
+            }
+        }
+    }
+
+    fn deliver_kept(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, wr: RecvRequest, p: Pending) {
+        let h = p.header;
+        match p.body {
+            Body::Owned(bytes) => self.deliver_bytes(locked, q, wr, &h, &bytes),
+            Body::Held(data) => {
+                let Some(spans) = self.check_receive(locked, q, &wr, &h, data.len()) else {
+                    locked.release(data);
+                    return;
+                };
+                let wc = self.recv_completion(&wr, &h, data.len());
+                if data.is_rendezvous() {
+                    self.start_landing(locked, q, data, &spans, wc, &h);
+                } else {
+                    crate::ucp::scatter(&spans, data.bytes());
+                    locked.release(data);
+                    self.complete_receive(locked, q, wc, &h);
+                }
+            }
+        }
+    }
+
+    fn deliver_bytes(&self, locked: &LockedWorker<'_>, q: &mut Queues, wr: RecvRequest, h: &Header, bytes: &[u8]) {
+        let Some(spans) = self.check_receive(locked, q, &wr, h, bytes.len()) else { return };
+        crate::ucp::scatter(&spans, bytes);
+        let wc = self.recv_completion(&wr, h, bytes.len());
+        self.complete_receive(locked, q, wc, h);
+    }
+
+    fn start_landing(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, data: AmData, spans: &[AppSpan], wc: WorkCompletion, h: &Header) {
+        let seq = h.seq;
+        q.landing.push_back(Landing { seq, wc, solicited: h.flags & wire::FLAG_SOLICITED != 0, landed: false });
+        let me = Arc::clone(self);
+        let done = Box::new(move |locked: &LockedWorker<'_>, result: Result<usize, crate::ucp::Error>| me.on_landed(locked, seq, result));
+        match locked.receive_rendezvous(data, spans, done) {
+            Ok(true) => {
+                if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
+                    l.landed = true;
+                }
+                self.release_landed(locked, q);
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::debug!("qp {:#x}: receive of seq {seq} failed: {e}", self.qp_num);
+                if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
+                    l.wc.status = WcStatus::LocQpOpErr;
+                    l.landed = true;
+                }
+                self.release_landed(locked, q);
+            }
+        }
+    }
+
+    fn on_landed(&self, locked: &LockedWorker<'_>, seq: u32, result: Result<usize, crate::ucp::Error>) {
+        let mut q = self.queues();
+        if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
+            l.landed = true;
+            if let Err(e) = result {
+                tracing::debug!("qp {:#x}: rendezvous of seq {seq} failed: {e}", self.qp_num);
+                l.wc.status = WcStatus::LocQpOpErr;
+            }
+        }
+        self.release_landed(locked, &mut q);
+    }
+
+    /// Completes receives whose data has landed, in order, and acknowledges them.
+    fn release_landed(&self, locked: &LockedWorker<'_>, q: &mut Queues) {
+        let mut last = None;
+        while q.landing.front().is_some_and(|l| l.landed) {
+            let l = q.landing.pop_front().expect("checked");
+            self.recv_cq.push(l.wc, l.solicited);
+            last = Some(l.seq);
+        }
+        if let Some(seq) = last {
+            self.send_ack(locked, q, seq, None);
+        }
+    }
+
+    fn complete_receive(&self, locked: &LockedWorker<'_>, q: &mut Queues, wc: WorkCompletion, h: &Header) {
+        let solicited = h.flags & wire::FLAG_SOLICITED != 0;
+        if q.landing.is_empty() {
+            self.recv_cq.push(wc, solicited);
+            self.send_ack(locked, q, h.seq, None);
+        } else {
+            q.landing.push_back(Landing { seq: h.seq, wc, solicited, landed: true });
+            self.release_landed(locked, q);
+        }
+    }
+
+    fn send_ack(&self, locked: &LockedWorker<'_>, q: &Queues, seq: u32, nak: Option<Nak>) {
+        let Some(peer) = &q.peer else { return };
+        let mut h = Header::new(Op::Ack, peer.qpn, self.qp_num, self.local_lid, seq);
+        h.status = nak.map_or(0, |n| n as u8);
+        if let Err(e) = peer.endpoint.am_send(locked, wire::AM_ID, &h.encode(), SendPayload::None, Box::new(|_, _| {})) {
+            tracing::debug!("qp {:#x}: cannot acknowledge seq {seq}: {e}", self.qp_num);
+        }
+    }
+}
+
+/// Turns a handler's payload into something that outlives the handler.
+fn keep(payload: AmPayload<'_>) -> (Body, bool) {
+    match payload {
+        AmPayload::Transient(b) => (Body::Owned(b.to_vec()), false),
+        AmPayload::Persistent(d) | AmPayload::Rendezvous(d) => (Body::Held(d), true),
+    }
+}
+
+fn release_kept(locked: &LockedWorker<'_>, q: &mut Queues) {
+    let early = std::mem::take(&mut q.early);
+    for p in early.into_values().chain(q.waiting.drain(..)) {
+        if let Body::Held(d) = p.body {
+            locked.release(d);
+        }
+    }
+}
+
+fn check_values(req: &ModifyRequest) -> Result<(), VerbsError> {
+    let m = req.mask;
+    let a = &req.attrs;
+    if m.contains(AttrMask::PORT) && a.port_num != device::PORT_NUM {
+        return Err(VerbsError::Invalid("port_num"));
+    }
+    if m.contains(AttrMask::PKEY_INDEX) && a.pkey_index >= device::PKEY_TABLE_LEN {
+        return Err(VerbsError::Invalid("pkey_index"));
+    }
+    if m.contains(AttrMask::PATH_MTU) && !(1..=5).contains(&a.path_mtu) {
+        return Err(VerbsError::Invalid("path_mtu"));
+    }
+    if m.contains(AttrMask::ACCESS_FLAGS) && a.access_flags & !(super::mr::ACCESS_LOCAL_WRITE | super::mr::ACCESS_REMOTE_WRITE | super::mr::ACCESS_REMOTE_READ | super::mr::ACCESS_REMOTE_ATOMIC) != 0 {
+        return Err(VerbsError::Invalid("qp_access_flags"));
+    }
+    if m.contains(AttrMask::MAX_QP_RD_ATOMIC) && i32::from(a.max_rd_atomic) > device::MAX_RD_ATOMIC {
+        return Err(VerbsError::Invalid("max_rd_atomic"));
+    }
+    if m.contains(AttrMask::MAX_DEST_RD_ATOMIC) && i32::from(a.max_dest_rd_atomic) > device::MAX_RD_ATOMIC {
+        return Err(VerbsError::Invalid("max_dest_rd_atomic"));
+    }
+    if m.contains(AttrMask::TIMEOUT) && a.timeout > 31 {
+        return Err(VerbsError::Invalid("timeout"));
+    }
+    if m.contains(AttrMask::RETRY_CNT) && a.retry_cnt > 7 {
+        return Err(VerbsError::Invalid("retry_cnt"));
+    }
+    if m.contains(AttrMask::RNR_RETRY) && a.rnr_retry > 7 {
+        return Err(VerbsError::Invalid("rnr_retry"));
+    }
+    if m.contains(AttrMask::MIN_RNR_TIMER) && a.min_rnr_timer > 31 {
+        return Err(VerbsError::Invalid("min_rnr_timer"));
+    }
+    if m.contains(AttrMask::DEST_QPN) && a.dest_qp_num >= 1 << 24 {
+        return Err(VerbsError::Invalid("dest_qp_num"));
+    }
+    if m.contains(AttrMask::AV) {
+        if a.ah.port_num != 0 && a.ah.port_num != device::PORT_NUM {
+            return Err(VerbsError::Invalid("ah_attr.port_num"));
+        }
+        if a.ah.is_global && i32::from(a.ah.grh.sgid_index) >= device::GID_TABLE_LEN {
+            return Err(VerbsError::Invalid("ah_attr.grh.sgid_index"));
+        }
+        if !a.ah.is_global && a.ah.dlid == 0 {
+            return Err(VerbsError::Invalid("ah_attr.dlid is 0 and no GRH"));
+        }
+    }
+    Ok(())
+}
+
+fn apply_attrs(a: &mut QpAttributes, req: &ModifyRequest) {
+    let m = req.mask;
+    let r = &req.attrs;
+    macro_rules! set {
+        ($bit:ident, $($f:ident),+) => { if m.contains(AttrMask::$bit) { $(a.$f = r.$f;)+ } };
+    }
+    set!(QKEY, qkey);
+    set!(RQ_PSN, rq_psn);
+    set!(SQ_PSN, sq_psn);
+    set!(DEST_QPN, dest_qp_num);
+    set!(ACCESS_FLAGS, access_flags);
+    set!(PKEY_INDEX, pkey_index);
+    set!(PORT, port_num);
+    set!(PATH_MTU, path_mtu);
+    set!(AV, ah);
+    set!(ALT_PATH, alt_ah, alt_pkey_index, alt_port_num, alt_timeout);
+    set!(PATH_MIG_STATE, path_mig_state);
+    set!(TIMEOUT, timeout);
+    set!(RETRY_CNT, retry_cnt);
+    set!(RNR_RETRY, rnr_retry);
+    set!(MIN_RNR_TIMER, min_rnr_timer);
+    set!(MAX_QP_RD_ATOMIC, max_rd_atomic);
+    set!(MAX_DEST_RD_ATOMIC, max_dest_rd_atomic);
+    set!(EN_SQD_ASYNC_NOTIFY, en_sqd_async_notify);
+}

@@ -1,0 +1,194 @@
+//! Work requests and work completions in validated Rust form (from `ibv_send_wr`,
+//! `ibv_recv_wr`, to `ibv_wc`). Numeric values match rdma-core's enums.
+
+use smallvec::SmallVec;
+
+/// One scatter/gather element as the application gave it (not yet checked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    pub addr: u64,
+    pub length: u32,
+    pub lkey: u32,
+}
+
+pub type SgeList = SmallVec<[Sge; 4]>;
+
+/// `enum ibv_wr_opcode`, the ones ugdr carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOpcode {
+    RdmaWrite,
+    RdmaWriteWithImm,
+    Send,
+    SendWithImm,
+    RdmaRead,
+    AtomicCmpAndSwp,
+    AtomicFetchAndAdd,
+}
+
+impl SendOpcode {
+    /// From `enum ibv_wr_opcode`; None for values ugdr does not carry.
+    pub fn from_raw(v: u32) -> Option<SendOpcode> {
+        Some(match v {
+            0 => SendOpcode::RdmaWrite,
+            1 => SendOpcode::RdmaWriteWithImm,
+            2 => SendOpcode::Send,
+            3 => SendOpcode::SendWithImm,
+            4 => SendOpcode::RdmaRead,
+            5 => SendOpcode::AtomicCmpAndSwp,
+            6 => SendOpcode::AtomicFetchAndAdd,
+            _ => return None,
+        })
+    }
+
+    /// The completion opcode a send-queue completion of this request carries.
+    pub fn completion_opcode(self) -> WcOpcode {
+        match self {
+            SendOpcode::Send | SendOpcode::SendWithImm => WcOpcode::Send,
+            SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => WcOpcode::RdmaWrite,
+            SendOpcode::RdmaRead => WcOpcode::RdmaRead,
+            SendOpcode::AtomicCmpAndSwp => WcOpcode::CompSwap,
+            SendOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
+        }
+    }
+}
+
+/// A send work request (`ibv_send_wr`), checked for shape but not yet for keys.
+#[derive(Debug, Clone)]
+pub struct SendRequest {
+    pub wr_id: u64,
+    pub opcode: SendOpcode,
+    pub sges: SgeList,
+    /// The bytes of an IBV_SEND_INLINE request, copied at post time.
+    pub inline_data: Option<Vec<u8>>,
+    /// imm_data exactly as the application stored it (network byte order).
+    pub imm_data: u32,
+    pub signaled: bool,
+    pub solicited: bool,
+    pub fence: bool,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub compare_add: u64,
+    pub swap: u64,
+}
+
+impl SendRequest {
+    pub fn length(&self) -> u64 {
+        match &self.inline_data {
+            Some(d) => d.len() as u64,
+            None => self.sges.iter().map(|s| u64::from(s.length)).sum(),
+        }
+    }
+}
+
+/// A receive work request (`ibv_recv_wr`).
+#[derive(Debug, Clone)]
+pub struct RecvRequest {
+    pub wr_id: u64,
+    pub sges: SgeList,
+}
+
+/// `enum ibv_wc_status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum WcStatus {
+    Success = 0,
+    LocLenErr = 1,
+    LocQpOpErr = 2,
+    LocEecOpErr = 3,
+    LocProtErr = 4,
+    WrFlushErr = 5,
+    MwBindErr = 6,
+    BadRespErr = 7,
+    LocAccessErr = 8,
+    RemInvReqErr = 9,
+    RemAccessErr = 10,
+    RemOpErr = 11,
+    RetryExcErr = 12,
+    RnrRetryExcErr = 13,
+    LocRddViolErr = 14,
+    RemInvRdReqErr = 15,
+    RemAbortErr = 16,
+    InvEecnErr = 17,
+    InvEecStateErr = 18,
+    FatalErr = 19,
+    RespTimeoutErr = 20,
+    GeneralErr = 21,
+}
+
+impl WcStatus {
+    pub fn from_raw(v: u32) -> WcStatus {
+        match v {
+            0 => WcStatus::Success,
+            1 => WcStatus::LocLenErr,
+            2 => WcStatus::LocQpOpErr,
+            4 => WcStatus::LocProtErr,
+            5 => WcStatus::WrFlushErr,
+            8 => WcStatus::LocAccessErr,
+            9 => WcStatus::RemInvReqErr,
+            10 => WcStatus::RemAccessErr,
+            11 => WcStatus::RemOpErr,
+            12 => WcStatus::RetryExcErr,
+            13 => WcStatus::RnrRetryExcErr,
+            _ => WcStatus::GeneralErr,
+        }
+    }
+}
+
+/// `enum ibv_wc_opcode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum WcOpcode {
+    Send = 0,
+    RdmaWrite = 1,
+    RdmaRead = 2,
+    CompSwap = 3,
+    FetchAdd = 4,
+    BindMw = 5,
+    LocalInv = 6,
+    Recv = 128,
+    RecvRdmaWithImm = 129,
+}
+
+/// `IBV_WC_WITH_IMM` and `IBV_WC_GRH` (`enum ibv_wc_flags`).
+pub const WC_WITH_IMM: u32 = 1 << 1;
+pub const WC_GRH: u32 = 1 << 0;
+
+/// A completion (`ibv_wc`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    pub wr_id: u64,
+    pub status: WcStatus,
+    pub opcode: WcOpcode,
+    pub vendor_err: u32,
+    pub byte_len: u32,
+    /// Network byte order, as the sender posted it; valid when `wc_flags` has WC_WITH_IMM.
+    pub imm_data: u32,
+    pub qp_num: u32,
+    pub src_qp: u32,
+    pub wc_flags: u32,
+    pub pkey_index: u16,
+    pub slid: u16,
+    pub sl: u8,
+    pub dlid_path_bits: u8,
+}
+
+impl WorkCompletion {
+    /// A completion for `wr_id` on `qp_num` with everything else zero.
+    pub fn new(wr_id: u64, status: WcStatus, opcode: WcOpcode, qp_num: u32) -> WorkCompletion {
+        WorkCompletion {
+            wr_id,
+            status,
+            opcode,
+            vendor_err: 0,
+            byte_len: 0,
+            imm_data: 0,
+            qp_num,
+            src_qp: 0,
+            wc_flags: 0,
+            pkey_index: 0,
+            slid: 0,
+            sl: 0,
+            dlid_path_bits: 0,
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! Thin safe wrappers over UCX's UCP API.
+//!
+//! Object graph: [`Context`] (ucp_context) → [`Worker`] (ucp_worker, one per process) →
+//! [`Endpoint`] (ucp_ep, one per remote worker). A worker is driven in
+//! `UCS_THREAD_MODE_SERIALIZED`: every UCX call goes through a [`LockedWorker`], the proof
+//! that the caller holds the worker's lock. Active-message handlers run inside
+//! [`LockedWorker::progress`] and are handed that same proof, so they may send and receive.
+//!
+//! Application memory reaches UCX only as [`AppSpan`]s cut from an [`AppRegion`], whose
+//! (unsafe) constructor is where the application's promise "this memory is valid while it is
+//! registered" enters the Rust side (`ibv_reg_mr`).
+
+mod endpoint;
+mod library;
+mod memory;
+mod status;
+mod worker;
+
+pub use endpoint::{Endpoint, SendDone, SendPayload, SendState};
+pub use library::{Ucx, ucx_version};
+pub use memory::{AppRegion, AppSpan, gather, scatter};
+pub use status::Error;
+pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};

@@ -1,0 +1,390 @@
+//! `ucp_context` and `ucp_worker`, the worker lock, active-message receive and waiting.
+
+use super::library::Ucx;
+use super::memory::AppSpan;
+use super::Error;
+use crate::sys::{self, ucs};
+use std::ffi::c_void;
+use std::os::fd::RawFd;
+use std::ptr::{self, NonNull};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// A UCP context with the features ugdr uses (active messages, RMA, atomics, wakeup).
+pub struct Context {
+    handle: NonNull<sys::ucp_context>,
+    pub(crate) ucx: &'static Ucx,
+}
+
+// SAFETY: a ucp_context is shared by workers of any thread (UCX documents the context as
+// thread-safe once created); ugdr only creates workers from it.
+unsafe impl Send for Context {}
+// SAFETY: as above; no method mutates the context.
+unsafe impl Sync for Context {}
+
+impl Context {
+    pub fn new() -> Result<Arc<Context>, Error> {
+        let ucx = Ucx::get()?;
+        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: NULL env prefix and file name mean "UCX_ variables"; `config` is an out-param.
+        Error::check(unsafe { ucx.api.ucp_config_read(ptr::null(), ptr::null(), &mut config) })?;
+        let params = sys::ucp_params {
+            field_mask: (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES.0
+                | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED.0
+                | sys::ucp_params_field::UCP_PARAM_FIELD_NAME.0) as u64,
+            features: (sys::ucp_feature::UCP_FEATURE_AM.0
+                | sys::ucp_feature::UCP_FEATURE_RMA.0
+                | sys::ucp_feature::UCP_FEATURE_AMO32.0
+                | sys::ucp_feature::UCP_FEATURE_AMO64.0
+                | sys::ucp_feature::UCP_FEATURE_WAKEUP.0) as u64,
+            mt_workers_shared: 1,
+            name: c"ugdr".as_ptr(),
+            ..Default::default()
+        };
+        let mut handle: sys::ucp_context_h = ptr::null_mut();
+        // SAFETY: ucp_init is the inline wrapper of ucp_init_version with the header's version;
+        // params and config are valid for the call; `handle` is an out-param.
+        let status = unsafe {
+            ucx.api.ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                config,
+                &mut handle,
+            )
+        };
+        // SAFETY: config came from ucp_config_read and is released exactly once.
+        unsafe { ucx.api.ucp_config_release(config) };
+        Error::check(status)?;
+        let handle = NonNull::new(handle).ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
+        Ok(Arc::new(Context { handle, ucx }))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: created by ucp_init, cleaned up once; every worker holds an Arc<Context>.
+        unsafe { self.ucx.api.ucp_cleanup(self.handle.as_ptr()) }
+    }
+}
+
+/// Data of an incoming active message.
+pub enum AmPayload<'a> {
+    /// Bytes valid only during the handler.
+    Transient(&'a [u8]),
+    /// Bytes UCX keeps for ugdr if the handler returns `true` (then release with
+    /// [`LockedWorker::release`] or read them with [`AmData::bytes`]).
+    Persistent(AmData),
+    /// A rendezvous message of the given length: fetch it with [`LockedWorker::receive`], or
+    /// drop it with [`LockedWorker::release`].
+    Rendezvous(AmData),
+}
+
+/// A message body UCX holds for ugdr (eager data kept past its handler, or a rendezvous
+/// descriptor). Must be passed to [`LockedWorker::release`] or [`LockedWorker::receive`].
+#[derive(Debug)]
+#[must_use]
+pub struct AmData {
+    desc: NonNull<c_void>,
+    len: usize,
+    rendezvous: bool,
+}
+
+// SAFETY: the descriptor is an opaque UCX pointer, only dereferenced by UCX under the worker lock.
+unsafe impl Send for AmData {}
+
+impl AmData {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn is_rendezvous(&self) -> bool {
+        self.rendezvous
+    }
+
+    /// The bytes of a persistent eager message (empty for a rendezvous descriptor).
+    pub fn bytes(&self) -> &[u8] {
+        if self.rendezvous {
+            return &[];
+        }
+        // SAFETY: UCX keeps persistent AM data valid until ucp_am_data_release, which consumes self.
+        unsafe { std::slice::from_raw_parts(self.desc.as_ptr() as *const u8, self.len) }
+    }
+}
+
+/// What the engine does with an incoming active message. Returns `true` when it kept the
+/// payload's [`AmData`] (UCX must then keep the data).
+pub type AmHandler = dyn Fn(&LockedWorker<'_>, &[u8], AmPayload<'_>) -> bool + Send + Sync;
+
+struct HandlerSlot {
+    worker: *const Worker,
+    handler: Box<AmHandler>,
+}
+
+/// A UCP worker in `UCS_THREAD_MODE_SERIALIZED`, with the lock that serializes it.
+pub struct Worker {
+    handle: NonNull<sys::ucp_worker>,
+    lock: Mutex<()>,
+    event_fd: RawFd,
+    handlers: OnceLock<Box<HandlerSlot>>,
+    context: Arc<Context>,
+}
+
+// SAFETY: every UCX call on the worker goes through a LockedWorker, which holds `lock`
+// (or is the handler's view of the progress call that holds it). ucp_worker_signal, the one
+// call made without it, is documented as thread-safe.
+unsafe impl Send for Worker {}
+// SAFETY: as above.
+unsafe impl Sync for Worker {}
+
+/// Proof that the caller holds the worker's lock: every UCX operation takes one.
+pub struct LockedWorker<'w> {
+    worker: &'w Worker,
+    _guard: Option<MutexGuard<'w, ()>>,
+}
+
+impl Worker {
+    pub fn new(context: Arc<Context>) -> Result<Arc<Worker>, Error> {
+        let api = &context.ucx.api;
+        let params = sys::ucp_worker_params {
+            field_mask: sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE.0 as u64,
+            thread_mode: sys::ucs_thread_mode_t::UCS_THREAD_MODE_SERIALIZED,
+            ..Default::default()
+        };
+        let mut handle: sys::ucp_worker_h = ptr::null_mut();
+        // SAFETY: context is live (held by the Arc); params valid for the call.
+        Error::check(unsafe { api.ucp_worker_create(context.handle.as_ptr(), &params, &mut handle) })?;
+        let handle = NonNull::new(handle).ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
+        let mut event_fd: i32 = -1;
+        // SAFETY: worker just created; out-param.
+        let status = unsafe { api.ucp_worker_get_efd(handle.as_ptr(), &mut event_fd) };
+        if let Err(e) = Error::check(status) {
+            // SAFETY: destroy the worker we created and nobody else has seen.
+            unsafe { api.ucp_worker_destroy(handle.as_ptr()) };
+            return Err(e);
+        }
+        Ok(Arc::new(Worker { handle, lock: Mutex::new(()), event_fd, handlers: OnceLock::new(), context }))
+    }
+
+    /// The file descriptor that becomes readable when the worker has work (after `arm`).
+    pub fn event_fd(&self) -> RawFd {
+        self.event_fd
+    }
+
+    pub fn lock(&self) -> LockedWorker<'_> {
+        let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        LockedWorker { worker: self, _guard: Some(guard) }
+    }
+
+    pub fn try_lock(&self) -> Option<LockedWorker<'_>> {
+        match self.lock.try_lock() {
+            Ok(g) => Some(LockedWorker { worker: self, _guard: Some(g) }),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(LockedWorker { worker: self, _guard: Some(p.into_inner()) }),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Wakes a thread blocked on [`Worker::event_fd`]; safe from any thread without the lock.
+    pub fn signal(&self) {
+        // SAFETY: ucp_worker_signal is documented as thread-safe.
+        let _ = unsafe { self.context.ucx.api.ucp_worker_signal(self.handle.as_ptr()) };
+    }
+
+    pub(crate) fn raw(&self) -> sys::ucp_worker_h {
+        self.handle.as_ptr()
+    }
+
+    pub(crate) fn api(&self) -> &sys::UcxLibrary {
+        &self.context.ucx.api
+    }
+
+    /// Installs the handler for active-message id `id` (once per worker).
+    pub fn set_am_handler(self: &Arc<Self>, id: u32, handler: Box<AmHandler>) -> Result<(), Error> {
+        let slot = Box::new(HandlerSlot { worker: Arc::as_ptr(self), handler });
+        let arg = &*slot as *const HandlerSlot as *mut c_void;
+        if self.handlers.set(slot).is_err() {
+            return Err(Error::from_status(sys::ucs_status_t::UCS_ERR_ALREADY_EXISTS));
+        }
+        let param = sys::ucp_am_handler_param {
+            field_mask: (sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+                | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+                | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64,
+            id,
+            flags: 0,
+            cb: Some(am_recv_callback),
+            arg,
+        };
+        let locked = self.lock();
+        // SAFETY: the slot lives in `self.handlers` for the worker's life, so `arg` stays valid.
+        Error::check(unsafe { self.api().ucp_worker_set_am_recv_handler(locked.worker.raw(), &param) })
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: created by ucp_worker_create, destroyed once; endpoints hold Arc<Worker>.
+        unsafe { self.api().ucp_worker_destroy(self.handle.as_ptr()) }
+    }
+}
+
+/// Runs inside ucp_worker_progress, i.e. while some thread holds the worker lock.
+unsafe extern "C" fn am_recv_callback(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `arg` is the HandlerSlot installed by set_am_handler, alive as long as the worker.
+        let slot = unsafe { &*(arg as *const HandlerSlot) };
+        // SAFETY: the slot's worker outlives its handlers (the slot is owned by the worker).
+        let worker = unsafe { &*slot.worker };
+        // The progress call that runs this callback holds the lock on the worker's behalf.
+        let locked = LockedWorker::assume_held(worker);
+        let header = if header_length == 0 || header.is_null() {
+            &[][..]
+        } else {
+            // SAFETY: UCX passes a header of `header_length` bytes valid during the callback.
+            unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
+        };
+        // SAFETY: UCX always passes a valid param.
+        let attr = unsafe { (*param).recv_attr };
+        let rndv = attr & sys::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
+        let persistent = attr & sys::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_DATA.0 as u64 != 0;
+        let payload = match NonNull::new(data) {
+            Some(desc) if rndv => AmPayload::Rendezvous(AmData { desc, len: length, rendezvous: true }),
+            Some(desc) if persistent => AmPayload::Persistent(AmData { desc, len: length, rendezvous: false }),
+            Some(p) => {
+                // SAFETY: eager data of `length` bytes valid during the callback.
+                AmPayload::Transient(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, length) })
+            }
+            None => AmPayload::Transient(&[]),
+        };
+        (slot.handler)(&locked, header, payload)
+    }));
+    match outcome {
+        Ok(true) => sys::ucs_status_t::UCS_INPROGRESS,
+        Ok(false) => sys::ucs_status_t::UCS_OK,
+        Err(_) => {
+            tracing::error!("panic in active-message handler; message dropped");
+            sys::ucs_status_t::UCS_OK
+        }
+    }
+}
+
+type ReceiveDone = Box<dyn FnOnce(&LockedWorker<'_>, Result<usize, Error>) + Send>;
+
+struct ReceiveRequest {
+    worker: *const Worker,
+    iov: Vec<sys::ucp_dt_iov_t>,
+    done: ReceiveDone,
+}
+
+impl<'w> LockedWorker<'w> {
+    /// The view of a worker from inside one of its callbacks, which only run inside
+    /// `progress`, while the thread that called it holds the lock.
+    pub(crate) fn assume_held(worker: &'w Worker) -> LockedWorker<'w> {
+        LockedWorker { worker, _guard: None }
+    }
+
+    pub fn worker(&self) -> &'w Worker {
+        self.worker
+    }
+
+    /// One pass of `ucp_worker_progress`; returns the number of events it processed.
+    pub fn progress(&self) -> u32 {
+        // SAFETY: the lock is held (self is the proof).
+        unsafe { self.worker.api().ucp_worker_progress(self.worker.raw()) }
+    }
+
+    /// Arms the event fd; `false` means events are pending (progress again before sleeping).
+    pub fn arm(&self) -> bool {
+        // SAFETY: lock held.
+        let status = unsafe { self.worker.api().ucp_worker_arm(self.worker.raw()) };
+        status == sys::ucs_status_t::UCS_OK
+    }
+
+    /// The worker's address, to publish for peers.
+    pub fn address(&self) -> Result<Vec<u8>, Error> {
+        let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: lock held; out-params.
+        Error::check(unsafe { self.worker.api().ucp_worker_get_address(self.worker.raw(), &mut addr, &mut len) })?;
+        // SAFETY: UCX returned `len` bytes at `addr`; copied, then released once.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+        // SAFETY: as above.
+        unsafe { self.worker.api().ucp_worker_release_address(self.worker.raw(), addr) };
+        Ok(bytes)
+    }
+
+    /// Gives a kept message body back to UCX.
+    pub fn release(&self, data: AmData) {
+        // SAFETY: lock held; `data` came from this worker's handler and is consumed here.
+        unsafe { self.worker.api().ucp_am_data_release(self.worker.raw(), data.desc.as_ptr()) }
+    }
+
+    /// Fetches a rendezvous message into `dest` with `ucp_am_recv_data_nbx`. `Ok(true)`: the
+    /// data is in place already and `done` is not called; `Ok(false)`: `done` runs from
+    /// progress (under the lock) once it is. May be called from the message's own handler.
+    pub fn receive_rendezvous(&self, data: AmData, dest: &[AppSpan], done: ReceiveDone) -> Result<bool, Error> {
+        let iov: Vec<sys::ucp_dt_iov_t> = dest
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| sys::ucp_dt_iov_t { buffer: s.as_ptr() as *mut c_void, length: s.len() })
+            .collect();
+        let mut req = Box::new(ReceiveRequest { worker: self.worker, iov, done });
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0,
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_am: Some(receive_callback) },
+            datatype: ucs::dt_make_iov(),
+            user_data: &mut *req as *mut ReceiveRequest as *mut c_void,
+            ..Default::default()
+        };
+        let (buf, count) = (req.iov.as_ptr() as *mut c_void, req.iov.len());
+        // SAFETY: lock held; `data` is a rendezvous descriptor from this worker, consumed here;
+        // the iov array lives in `req` (leaked to the callback when pending) and the spans it
+        // names are registered memory (AppSpan's contract).
+        let ret = unsafe { self.worker.api().ucp_am_recv_data_nbx(self.worker.raw(), data.desc.as_ptr(), buf, count, &param) };
+        if ucs::ptr_is_ptr(ret) {
+            let _ = Box::into_raw(req); // reclaimed by receive_callback
+            Ok(false)
+        } else if ucs::ptr_is_err(ret) {
+            Err(Error::from_status(ucs::ptr_status(ret)))
+        } else {
+            Ok(true)
+        }
+    }
+}
+
+unsafe extern "C" fn receive_callback(request: *mut c_void, status: sys::ucs_status_t, length: usize, user_data: *mut c_void) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: user_data is the Box leaked by LockedWorker::receive, reclaimed exactly once.
+        let req = unsafe { Box::from_raw(user_data as *mut ReceiveRequest) };
+        // SAFETY: the worker outlives its requests; this runs inside progress (lock held).
+        let worker = unsafe { &*req.worker };
+        let locked = LockedWorker::assume_held(worker);
+        let result = if status == sys::ucs_status_t::UCS_OK { Ok(length) } else { Err(Error::from_status(status)) };
+        (req.done)(&locked, result);
+        // SAFETY: the request handle was returned by ucp_am_recv_data_nbx and is freed once.
+        unsafe { worker.api().ucp_request_free(request) };
+    }));
+}
+
+/// Blocks until one of `fds` is readable or `timeout_ms` passes (-1: no timeout).
+/// Returns the indices of the readable fds.
+pub fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> Vec<usize> {
+    let mut pfds: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    // SAFETY: pfds is a valid array of `len` pollfd structs.
+    let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+    if n <= 0 {
+        return Vec::new();
+    }
+    pfds.iter().enumerate().filter(|(_, p)| p.revents != 0).map(|(i, _)| i).collect()
+}
