@@ -294,7 +294,7 @@ pub unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, 
         };
         let locked = engine.worker.lock();
         let peer = match remote {
-            Some(addr) => match engine.connect(&locked, &addr, req.attrs.dest_qp_num) {
+            Some(target) => match engine.connect(&locked, &target, req.attrs.dest_qp_num) {
                 Ok(p) => Some(p),
                 Err(e) => return status(Err(e)),
             },

@@ -170,15 +170,15 @@ impl Directory {
         result.ok_or(VerbsError::NoResources("no free LID slot in the per-host directory"))
     }
 
-    /// The worker address published under `lid`, if its owner is alive.
-    pub fn lookup(&self, lid: u16) -> Option<Vec<u8>> {
+    /// The owner's pid and worker address published under `lid`, if the owner is alive.
+    pub fn lookup(&self, lid: u16) -> Option<(i32, Vec<u8>)> {
         let path = self.lid_path(lid);
         let text = fs::read_to_string(&path).ok()?;
         let (pid, addr) = parse_entry(&text)?;
         if !pid_alive(pid) {
             return None;
         }
-        Some(addr)
+        Some((pid, addr))
     }
 
     pub fn release(&self, claim: &LidClaim) {
@@ -203,7 +203,8 @@ fn owner_alive(path: &Path) -> bool {
     }
 }
 
-fn pid_alive(pid: i32) -> bool {
+/// Whether process `pid` (on this host) still exists.
+pub fn pid_alive(pid: i32) -> bool {
     match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
         Ok(()) => true,
         Err(nix::errno::Errno::ESRCH) => false,
@@ -235,8 +236,15 @@ pub enum ResolveError {
     Remote { lid: u16, host: Ipv4Addr, why: String },
 }
 
+/// Where a port lives: its worker address, and its pid when it is on this host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    pub worker_address: Vec<u8>,
+    pub local_pid: Option<i32>,
+}
+
 /// Finds the UCX worker address of the port `lid` (or the one `gid` names).
-pub fn resolve(net: &HostNetwork, dir: &Directory, lid: u16, gid: Option<&[u8; 16]>) -> Result<Vec<u8>, ResolveError> {
+pub fn resolve(net: &HostNetwork, dir: &Directory, lid: u16, gid: Option<&[u8; 16]>) -> Result<Resolved, ResolveError> {
     let (hosts, lid) = match gid {
         Some(g) => {
             let (ip, lid) = parse_gid(g).ok_or(ResolveError::ForeignGid)?;
@@ -246,12 +254,13 @@ pub fn resolve(net: &HostNetwork, dir: &Directory, lid: u16, gid: Option<&[u8; 1
         None => (net.candidates_for_tag((lid >> 8) as u8), lid),
     };
     if hosts.iter().any(|h| *h == net.ipv4 || h.is_loopback()) {
-        return dir.lookup(lid).ok_or(ResolveError::NoSuchLocalLid(lid));
+        let (pid, worker_address) = dir.lookup(lid).ok_or(ResolveError::NoSuchLocalLid(lid))?;
+        return Ok(Resolved { worker_address, local_pid: Some(pid) });
     }
     let mut last = ResolveError::NoRoute(lid);
     for host in hosts {
         match query_remote(host, lid) {
-            Ok(addr) => return Ok(addr),
+            Ok(worker_address) => return Ok(Resolved { worker_address, local_pid: None }),
             Err(why) => last = ResolveError::Remote { lid, host, why },
         }
     }
@@ -303,7 +312,7 @@ pub fn serve_queries(listener: TcpListener, dir: Directory) {
         let mut parts = line.split_whitespace();
         let answer = match (parts.next(), parts.next().and_then(|l| u16::from_str_radix(l, 16).ok())) {
             (Some("UGDR-Q1"), Some(lid)) => match dir.lookup(lid) {
-                Some(addr) => format!("OK {}\n", hex_encode(&addr)),
+                Some((_, addr)) => format!("OK {}\n", hex_encode(&addr)),
                 None => "NO\n".to_string(),
             },
             _ => "ERR\n".to_string(),
@@ -346,8 +355,9 @@ mod tests {
         let b = d.claim(7, b"worker-b").unwrap();
         assert_ne!(a.lid, b.lid);
         assert_eq!(a.lid >> 8, 7);
-        assert_eq!(d.lookup(a.lid), Some(b"worker-a".to_vec()));
-        assert_eq!(d.lookup(b.lid), Some(b"worker-b".to_vec()));
+        let me = std::process::id() as i32;
+        assert_eq!(d.lookup(a.lid), Some((me, b"worker-a".to_vec())));
+        assert_eq!(d.lookup(b.lid), Some((me, b"worker-b".to_vec())));
         // A file left by a process that no longer exists is not an answer, and is reclaimed.
         let stale = (7u16 << 8) | 200;
         fs::write(d.lid_path(stale), "ugdr1 2147483646 00ff\n").unwrap();

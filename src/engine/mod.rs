@@ -20,10 +20,10 @@ use crate::fake_verbs::qp::{Peer, QueuePair};
 use crate::fake_verbs::work::WcStatus;
 use crate::fake_verbs::VerbsError;
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
-use address::{Directory, HostNetwork, LidClaim};
+use address::{Directory, HostNetwork, LidClaim, Resolved};
 use dashmap::DashMap;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub struct Engine {
@@ -34,13 +34,34 @@ pub struct Engine {
     directory: Directory,
     claim: LidClaim,
     /// Endpoints by remote worker address; a failed endpoint is replaced on next use.
-    endpoints: Mutex<HashMap<Vec<u8>, Arc<Endpoint>>>,
+    endpoints: Mutex<HashMap<Vec<u8>, PeerProcess>>,
     qps: DashMap<u32, Arc<QueuePair>>,
     next_qpn: AtomicU32,
     pub query_service: Result<u16, String>,
+    stopping: Arc<AtomicBool>,
+    /// Counts `ibv_poll_cq` progress calls, so the progress thread can stand aside while the
+    /// application busy-polls (two threads fighting over the worker cost more than either).
+    app_polls: Arc<AtomicU64>,
+    progress_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// A connection to another ugdr process, and its pid when it runs on this host (the engine
+/// watches local peers itself: their endpoints have no UCX keepalive).
+struct PeerProcess {
+    endpoint: Arc<Endpoint>,
+    local_pid: Option<i32>,
 }
 
 static ENGINE: OnceLock<Result<Engine, VerbsError>> = OnceLock::new();
+
+/// How long the progress thread steps aside while the application busy-polls, and how many
+/// empty polls in that time count as busy-polling (an event-driven application polls a few times
+/// per completion; a spinning one, hundreds of thousands of times a second).
+const BUSY_POLL_WINDOW: std::time::Duration = std::time::Duration::from_millis(1);
+const BUSY_POLL_THRESHOLD: u64 = 1024;
+
+/// How often the progress thread checks that local peers are alive.
+const PEER_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The host network as seen before the engine starts (device GUIDs need it, UCX does not).
 pub fn host_network() -> &'static HostNetwork {
@@ -51,12 +72,16 @@ pub fn host_network() -> &'static HostNetwork {
 impl Engine {
     /// The process's engine, started on first use.
     pub fn get() -> Result<&'static Engine, VerbsError> {
-        ENGINE.get_or_init(Engine::start).as_ref().map_err(Clone::clone)
+        let engine = ENGINE.get_or_init(Engine::start).as_ref().map_err(Clone::clone)?;
+        if engine.stopping.load(Ordering::Acquire) {
+            return Err(VerbsError::NoDevice);
+        }
+        Ok(engine)
     }
 
-    /// The engine if something already started it.
+    /// The engine if something already started it and it is not shutting down.
     pub fn running() -> Option<&'static Engine> {
-        ENGINE.get().and_then(|e| e.as_ref().ok())
+        ENGINE.get().and_then(|e| e.as_ref().ok()).filter(|e| !e.stopping.load(Ordering::Acquire))
     }
 
     fn start() -> Result<Engine, VerbsError> {
@@ -85,9 +110,13 @@ impl Engine {
             }
         };
         let progress_worker = Arc::clone(&worker);
-        std::thread::Builder::new()
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = Arc::clone(&stopping);
+        let app_polls = Arc::new(AtomicU64::new(0));
+        let polls = Arc::clone(&app_polls);
+        let progress_thread = std::thread::Builder::new()
             .name("ugdr-progress".into())
-            .spawn(move || progress_loop(&progress_worker))
+            .spawn(move || progress_loop(&progress_worker, &stop, &polls))
             .map_err(|e| VerbsError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         let seed = (std::process::id() & 0xffff) << 8;
         tracing::debug!("engine up: lid {lid:#06x} ip {} address {} bytes", network.ipv4, address.len());
@@ -102,12 +131,26 @@ impl Engine {
             qps: DashMap::new(),
             next_qpn: AtomicU32::new(seed.max(0x100)),
             query_service,
+            stopping,
+            app_polls,
+            progress_thread: Mutex::new(Some(progress_thread)),
         })
     }
 
-    /// Removes this process's entry from the per-host directory (at exit).
+    /// At process exit, before UCX's own destructors run: stops the progress thread, removes
+    /// this process's entry from the per-host directory, and keeps the worker locked for good
+    /// so that no other thread is inside UCX while the process tears it down.
     pub fn shutdown(&self) {
+        if self.stopping.swap(true, Ordering::AcqRel) {
+            return;
+        }
         self.directory.release(&self.claim);
+        self.worker.signal();
+        let handle = self.progress_thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+        std::mem::forget(self.worker.lock());
     }
 
     /// A QP number not in use in this process (24 bits, never 0 or 1).
@@ -130,7 +173,7 @@ impl Engine {
 
     /// Finds the worker address of the port named by `dlid` (or `dgid`). Blocking (it may
     /// ask another host): call without the worker lock.
-    pub fn resolve(&self, dlid: u16, dgid: Option<&[u8; 16]>) -> Result<Vec<u8>, VerbsError> {
+    pub fn resolve(&self, dlid: u16, dgid: Option<&[u8; 16]>) -> Result<Resolved, VerbsError> {
         address::resolve(&self.network, &self.directory, dlid, dgid).map_err(|e| {
             tracing::debug!("resolve: {e}");
             VerbsError::Invalid("destination port not found")
@@ -138,22 +181,34 @@ impl Engine {
     }
 
     /// The endpoint to a remote worker (one per remote worker, shared by its QPs).
-    pub fn connect(&self, locked: &LockedWorker<'_>, remote: &[u8], remote_qpn: u32) -> Result<Peer, VerbsError> {
+    pub fn connect(&self, locked: &LockedWorker<'_>, remote: &Resolved, remote_qpn: u32) -> Result<Peer, VerbsError> {
         let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ep) = eps.get(remote).filter(|ep| !ep.failed()) {
-            return Ok(Peer { endpoint: Arc::clone(ep), qpn: remote_qpn });
+        if let Some(p) = eps.get(&remote.worker_address).filter(|p| !p.endpoint.failed()) {
+            return Ok(Peer { endpoint: Arc::clone(&p.endpoint), qpn: remote_qpn });
         }
-        let key = remote.to_vec();
-        let failed_key = key.clone();
-        let ep = Endpoint::connect(locked, remote, Box::new(move |locked, err| endpoint_failed(locked, &failed_key, err)))?;
-        eps.insert(key, Arc::clone(&ep));
+        let ep = Endpoint::connect(locked, &remote.worker_address, remote.local_pid.is_none(), Box::new(|locked, err| endpoint_failed(locked, err)))?;
+        eps.insert(remote.worker_address.clone(), PeerProcess { endpoint: Arc::clone(&ep), local_pid: remote.local_pid });
         Ok(Peer { endpoint: ep, qpn: remote_qpn })
+    }
+
+    /// Fails the endpoints (and so the QPs) of local peers whose process is gone.
+    fn check_local_peers(&self, locked: &LockedWorker<'_>) {
+        let dead: Vec<Arc<Endpoint>> = {
+            let eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+            eps.values()
+                .filter(|p| !p.endpoint.failed() && p.local_pid.is_some_and(|pid| !address::pid_alive(pid)))
+                .map(|p| Arc::clone(&p.endpoint))
+                .collect()
+        };
+        for ep in dead {
+            ep.mark_failed(locked, ucp::Error::Status { code: -25, text: "peer process exited".into() });
+        }
     }
 
     /// The UCX lanes a connection to a worker on this host uses (an endpoint to itself).
     pub fn loopback_transports(&self) -> Result<String, VerbsError> {
         let locked = self.worker.lock();
-        let own = locked.address()?;
+        let own = Resolved { worker_address: locked.address()?, local_pid: Some(std::process::id() as i32) };
         let peer = self.connect(&locked, &own, 0)?;
         Ok(peer.endpoint.transport_info(&locked))
     }
@@ -161,14 +216,15 @@ impl Engine {
     /// Progress from an application thread (ibv_poll_cq): skipped when another thread is
     /// already progressing.
     pub fn progress_from_app(&self) {
+        self.app_polls.fetch_add(1, Ordering::Relaxed);
         if let Some(locked) = self.worker.try_lock() {
             locked.progress();
         }
     }
 }
 
-/// A peer became unreachable: every QP connected through this endpoint fails.
-fn endpoint_failed(locked: &LockedWorker<'_>, remote: &[u8], err: ucp::Error) {
+/// A peer became unreachable: every QP connected through a failed endpoint fails.
+fn endpoint_failed(locked: &LockedWorker<'_>, err: ucp::Error) {
     let Some(engine) = Engine::running() else { return };
     tracing::debug!("endpoint to a peer failed: {err}");
     let failed: Vec<Arc<QueuePair>> = engine
@@ -179,9 +235,6 @@ fn endpoint_failed(locked: &LockedWorker<'_>, remote: &[u8], err: ucp::Error) {
         .collect();
     for qp in failed {
         qp.fail(locked, WcStatus::RetryExcErr);
-    }
-    if let Ok(mut eps) = engine.endpoints.try_lock() {
-        eps.remove(remote);
     }
 }
 
@@ -205,12 +258,28 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
     }
 }
 
-fn progress_loop(worker: &Worker) {
+fn progress_loop(worker: &Worker, stopping: &AtomicBool, app_polls: &AtomicU64) {
     let efd = worker.event_fd();
-    loop {
+    let mut last_peer_check = std::time::Instant::now();
+    let mut polls_seen = app_polls.load(Ordering::Relaxed);
+    while !stopping.load(Ordering::Acquire) {
+        let polls = app_polls.load(Ordering::Relaxed);
+        if polls.wrapping_sub(polls_seen) >= BUSY_POLL_THRESHOLD {
+            // The application is spinning in ibv_poll_cq and progresses the worker itself.
+            polls_seen = polls;
+            std::thread::sleep(BUSY_POLL_WINDOW);
+            continue;
+        }
+        polls_seen = polls;
         {
             let locked = worker.lock();
             while locked.progress() > 0 {}
+            if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
+                last_peer_check = std::time::Instant::now();
+                if let Some(engine) = Engine::running() {
+                    engine.check_local_peers(&locked);
+                }
+            }
             if !locked.arm() {
                 continue;
             }

@@ -27,8 +27,11 @@ struct EndpointShared {
     worker: *const Worker,
 }
 
-/// A UCP endpoint to one remote worker, created in peer-failure mode so that a dead peer
-/// surfaces as an error instead of a hang.
+/// A UCP endpoint to one remote worker.
+///
+/// Endpoints to other hosts use UCX's peer-failure mode, so a dead peer surfaces as an error.
+/// UCX 1.13 offers that mode only on transports with keepalive (TCP), so endpoints to this
+/// host skip it to get shared memory and CMA; the engine watches those peers' pids instead.
 pub struct Endpoint {
     handle: NonNull<sys::ucp_ep>,
     shared: Box<EndpointShared>,
@@ -61,7 +64,7 @@ pub enum SendState {
 impl Endpoint {
     /// Connects to the worker whose packed address is `remote`. `on_error` runs (under the
     /// lock, from progress) if the connection fails later.
-    pub fn connect(locked: &LockedWorker<'_>, remote: &[u8], on_error: ErrorHandler) -> Result<Arc<Endpoint>, Error> {
+    pub fn connect(locked: &LockedWorker<'_>, remote: &[u8], peer_failure_mode: bool, on_error: ErrorHandler) -> Result<Arc<Endpoint>, Error> {
         let worker = locked.worker();
         let shared = Box::new(EndpointShared { failed: AtomicBool::new(false), on_error, worker });
         let params = sys::ucp_ep_params {
@@ -69,7 +72,11 @@ impl Endpoint {
                 | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE.0
                 | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER.0) as u64,
             address: remote.as_ptr() as *const sys::ucp_address_t,
-            err_mode: sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER,
+            err_mode: if peer_failure_mode {
+                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE
+            },
             err_handler: sys::ucp_err_handler { cb: Some(endpoint_error_callback), arg: &*shared as *const EndpointShared as *mut c_void },
             ..Default::default()
         };
@@ -84,9 +91,16 @@ impl Endpoint {
         Ok(Arc::new(Endpoint { handle, shared, worker: worker_arc }))
     }
 
-    /// True once UCX reported the peer unreachable.
+    /// True once the peer was found unreachable.
     pub fn failed(&self) -> bool {
         self.shared.failed.load(Ordering::Acquire)
+    }
+
+    /// Marks the peer unreachable (the engine saw it die) and runs the error handler once.
+    pub fn mark_failed(&self, locked: &LockedWorker<'_>, why: Error) {
+        if !self.shared.failed.swap(true, Ordering::AcqRel) {
+            (self.shared.on_error)(locked, why);
+        }
     }
 
     /// Sends active message `id` with `header` and `payload`. The header is copied; payload
@@ -169,7 +183,9 @@ unsafe extern "C" fn endpoint_error_callback(arg: *mut c_void, _ep: sys::ucp_ep_
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: arg is the EndpointShared owned by the live Endpoint.
         let shared = unsafe { &*(arg as *const EndpointShared) };
-        shared.failed.store(true, Ordering::Release);
+        if shared.failed.swap(true, Ordering::AcqRel) {
+            return;
+        }
         // SAFETY: the worker outlives its endpoints; runs inside progress (lock held).
         let worker = unsafe { &*shared.worker };
         let locked = LockedWorker::assume_held(worker);
