@@ -72,7 +72,7 @@ fn main() {
             "ibv_access_flags|ibv_send_flags|ibv_qp_attr_mask|ibv_wc_flags|ibv_qp_init_attr_mask",
         )
         .derive_default(true)
-        .derive_debug(false)
+        .derive_debug(true)
         .size_t_is_usize(true)
         .prepend_enum_name(false)
         .layout_tests(true)

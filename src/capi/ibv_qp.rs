@@ -356,6 +356,9 @@ pub unsafe extern "C" fn ibv_query_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, m
             alt_timeout: a.alt_timeout,
             rate_limit: 0,
         };
+        // SAFETY: as rdma-core's ibv_query_qp, refresh the public state field (the QP may have
+        // gone to ERR on its own); written only under ugdr's calls, read by the application.
+        unsafe { (*shell.as_raw()).qp_base.state = ibv_qp_state(state.to_raw()) };
         // SAFETY: reading our own QP's public fields.
         let base = unsafe { &(*shell.as_raw()).qp_base };
         let init = ibv_qp_init_attr { qp_context: base.qp_context, send_cq: base.send_cq, recv_cq: base.recv_cq, srq: base.srq, cap, qp_type: base.qp_type, sq_sig_all: c_int::from(q.sq_sig_all) };

@@ -118,6 +118,7 @@ macro_rules! shell {
                 drop(unsafe { Box::from_raw(raw as *mut $name) });
             }
 
+            #[allow(dead_code)]
             pub fn as_raw(&self) -> *mut $c {
                 self.ibv.get()
             }

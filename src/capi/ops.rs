@@ -114,7 +114,8 @@ pub(crate) fn install_qp_ops(qp: &mut ibv_qp_ex) {
 }
 
 /// For tests: every op slot of a context is filled.
-pub(crate) fn all_context_ops_filled(vctx: &verbs_context) -> bool {
+#[cfg(test)]
+fn all_context_ops_filled(vctx: &verbs_context) -> bool {
     let o = &vctx.context.ops;
     let live = [
         o.poll_cq.is_some(),
@@ -166,4 +167,43 @@ pub(crate) fn all_context_ops_filled(vctx: &verbs_context) -> bool {
         vctx.close_xrcd.is_some(),
     ];
     live.iter().chain(ext.iter()).all(|x| *x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_context_op_slot_is_filled() {
+        let mut vctx = verbs_context::default();
+        install_context_ops(&mut vctx);
+        assert!(all_context_ops_filled(&vctx));
+        assert_eq!(vctx.sz, 648);
+        assert_eq!(vctx.context.abi_compat, crate::sys::verbs::VERBS_ABI_IS_EXTENDED);
+    }
+
+    #[test]
+    fn every_cq_and_qp_op_slot_is_filled() {
+        let mut cq = ibv_cq_ex::default();
+        install_cq_ops(&mut cq);
+        let cq_slots = [
+            cq.start_poll.is_some(), cq.next_poll.is_some(), cq.end_poll.is_some(), cq.read_opcode.is_some(),
+            cq.read_vendor_err.is_some(), cq.read_byte_len.is_some(), cq.read_imm_data.is_some(), cq.read_qp_num.is_some(),
+            cq.read_src_qp.is_some(), cq.read_wc_flags.is_some(), cq.read_slid.is_some(), cq.read_sl.is_some(),
+            cq.read_dlid_path_bits.is_some(), cq.read_completion_ts.is_some(), cq.read_cvlan.is_some(),
+            cq.read_flow_tag.is_some(), cq.read_tm_info.is_some(), cq.read_completion_wallclock_ns.is_some(),
+        ];
+        assert!(cq_slots.iter().all(|x| *x));
+        let mut qp = ibv_qp_ex::default();
+        install_qp_ops(&mut qp);
+        let qp_slots = [
+            qp.wr_atomic_cmp_swp.is_some(), qp.wr_atomic_fetch_add.is_some(), qp.wr_bind_mw.is_some(), qp.wr_local_inv.is_some(),
+            qp.wr_rdma_read.is_some(), qp.wr_rdma_write.is_some(), qp.wr_rdma_write_imm.is_some(), qp.wr_send.is_some(),
+            qp.wr_send_imm.is_some(), qp.wr_send_inv.is_some(), qp.wr_send_tso.is_some(), qp.wr_set_ud_addr.is_some(),
+            qp.wr_set_xrc_srqn.is_some(), qp.wr_set_inline_data.is_some(), qp.wr_set_inline_data_list.is_some(),
+            qp.wr_set_sge.is_some(), qp.wr_set_sge_list.is_some(), qp.wr_start.is_some(), qp.wr_complete.is_some(),
+            qp.wr_abort.is_some(), qp.wr_atomic_write.is_some(),
+        ];
+        assert!(qp_slots.iter().all(|x| *x));
+    }
 }

@@ -5,8 +5,10 @@
 //!   context and worker, claims this process's LID in the per-host directory, starts the
 //!   progress thread and the LID query service.
 //! * Every UCX call runs under the worker lock ([`LockedWorker`]); lock order is
-//!   worker → queue pair → completion queue, and no UCX call is made while holding a queue
-//!   pair lock that a callback could need (callbacks only run inside `progress`).
+//!   worker → queue pair → completion queue. No UCX call is ever made while a queue-pair lock
+//!   is held: UCX may run callbacks (which take those locks) inline in any call, e.g. its
+//!   `self` transport delivers a send to a QP of this process before the send returns. Queue
+//!   pairs queue their UCX work and start it after unlocking (`qp::Deferred`).
 //! * The progress thread sleeps on the worker's event fd, so completions reach CQs and
 //!   completion channels, and peers' messages are answered, while the application does not
 //!   call into ugdr at all. `ibv_poll_cq` also progresses (if the lock is free), for latency.

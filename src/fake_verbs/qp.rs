@@ -9,7 +9,8 @@ use super::qp_state::{check_transition, AttrMask, QpState, QpType, TransitionErr
 use super::work::{RecvRequest, SendOpcode, SendRequest, WcOpcode, WcStatus, WorkCompletion, WC_WITH_IMM};
 use super::{device, VerbsError};
 use crate::engine::wire::{self, Header, Nak, Op};
-use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendPayload};
+use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendDone, SendPayload};
+use smallvec::SmallVec;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -140,7 +141,26 @@ struct Landing {
     landed: bool,
 }
 
+/// UCX work to start once the queue lock is released. UCX may run callbacks inline inside any
+/// call (its `self` transport delivers a send to a QP of this process, and completes a
+/// rendezvous receive, before the call returns), and those callbacks take queue locks, so no
+/// UCX operation is ever started while a queue lock is held.
+enum Deferred {
+    Send {
+        endpoint: Arc<Endpoint>,
+        header: Header,
+        payload: SendPayload,
+        /// For data messages: the send-queue entry that fails if UCX cannot send it.
+        data_seq: Option<u32>,
+    },
+    /// Pull a rendezvous message into the receive WR's buffers; `seq` then lands.
+    Receive { data: AmData, spans: SmallVec<[AppSpan; 4]>, seq: u32 },
+    /// Give a kept message body back to UCX (for a rendezvous one, this answers its sender).
+    Release(AmData),
+}
+
 struct Queues {
+    outbox: Vec<Deferred>,
     state: QpState,
     attrs: QpAttributes,
     peer: Option<Peer>,
@@ -202,6 +222,7 @@ impl QueuePair {
             local_lid,
             handle: AtomicUsize::new(0),
             queues: Mutex::new(Queues {
+                outbox: Vec::new(),
                 state: QpState::Reset,
                 attrs: QpAttributes { port_num: device::PORT_NUM, ..Default::default() },
                 peer: None,
@@ -228,6 +249,62 @@ impl QueuePair {
         self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Runs `f` under the queue lock, then sends what it queued, with the lock released.
+    fn locked_then_send<R>(self: &Arc<Self>, locked: &LockedWorker<'_>, f: impl FnOnce(&mut Queues) -> R) -> R {
+        let (result, outbox) = {
+            let mut q = self.queues();
+            let r = f(&mut q);
+            (r, std::mem::take(&mut q.outbox))
+        };
+        for work in outbox {
+            match work {
+                Deferred::Send { endpoint, header, payload, data_seq } => self.start_send(locked, &endpoint, &header, payload, data_seq),
+                Deferred::Release(data) => locked.release(data),
+                Deferred::Receive { data, spans, seq } => {
+                    let me = Arc::clone(self);
+                    let done = Box::new(move |locked: &LockedWorker<'_>, result: Result<usize, crate::ucp::Error>| me.on_landed(locked, seq, result));
+                    match locked.receive_rendezvous(data, &spans, done) {
+                        Ok(false) => {}
+                        Ok(true) => self.on_landed(locked, seq, Ok(0)),
+                        Err(e) => self.on_landed(locked, seq, Err(e)),
+                    }
+                }
+            }
+        }
+        result
+    }
+
+    fn start_send(self: &Arc<Self>, locked: &LockedWorker<'_>, endpoint: &Endpoint, header: &Header, payload: SendPayload, data_seq: Option<u32>) {
+        let done: SendDone = match data_seq {
+            Some(seq) => {
+                let me = Arc::clone(self);
+                Box::new(move |locked, result| {
+                    if let Err(e) = result {
+                        tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
+                        me.fail_send(locked, seq, WcStatus::RetryExcErr);
+                    }
+                })
+            }
+            None => Box::new(|_, _| {}),
+        };
+        if let Err(e) = endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, done) {
+            tracing::debug!("qp {:#x}: cannot send {:?} seq {}: {e}", self.qp_num, header.op, header.seq);
+            if let Some(seq) = data_seq {
+                self.fail_send(locked, seq, WcStatus::RetryExcErr);
+            }
+        }
+    }
+
+    /// The send WR `seq` failed: it completes with `status` and the QP goes to ERR.
+    fn fail_send(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32, status: WcStatus) {
+        self.locked_then_send(locked, |q| {
+            if matches!(q.state, QpState::Err | QpState::Reset) {
+                return;
+            }
+            self.fail_entry(q, seq, status)
+        });
+    }
+
     pub fn state(&self) -> QpState {
         self.queues().state
     }
@@ -242,13 +319,13 @@ impl QueuePair {
     }
 
     /// `ibv_destroy_qp`: releases kept messages and detaches from PD and CQs. No completions.
-    pub fn destroy(&self, locked: &LockedWorker<'_>) {
-        let mut q = self.queues();
-        release_kept(locked, &mut q);
-        q.sq.clear();
-        q.rq.clear();
-        q.state = QpState::Reset;
-        drop(q);
+    pub fn destroy(self: &Arc<Self>, locked: &LockedWorker<'_>) {
+        self.locked_then_send(locked, |q| {
+            release_kept(q);
+            q.sq.clear();
+            q.rq.clear();
+            q.state = QpState::Reset;
+        });
         self.pd.release_child();
         self.send_cq.release_user();
         self.recv_cq.release_user();
@@ -258,7 +335,10 @@ impl QueuePair {
     /// if all of it is valid ("none of the attributes will be modified" otherwise).
     /// `peer` is the resolved destination when the request moves an RC QP to RTR.
     pub fn modify(self: &Arc<Self>, locked: &LockedWorker<'_>, req: &ModifyRequest, peer: Option<Peer>) -> Result<QpState, VerbsError> {
-        let mut q = self.queues();
+        self.locked_then_send(locked, |q| self.modify_locked(q, req, peer))
+    }
+
+    fn modify_locked(self: &Arc<Self>, q: &mut Queues, req: &ModifyRequest, peer: Option<Peer>) -> Result<QpState, VerbsError> {
         let cur = q.state;
         let next = req.state.unwrap_or(cur);
         check_transition(self.qp_type, cur, next, req.mask, req.claimed_cur).map_err(|e| {
@@ -276,16 +356,16 @@ impl QueuePair {
         }
         apply_attrs(&mut q.attrs, req);
         if next != cur || next == QpState::Reset || next == QpState::Err {
-            self.enter(locked, &mut q, next, peer);
+            self.enter(q, next, peer);
         }
         Ok(q.state)
     }
 
-    fn enter(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, next: QpState, peer: Option<Peer>) {
+    fn enter(self: &Arc<Self>, q: &mut Queues, next: QpState, peer: Option<Peer>) {
         tracing::debug!("qp {:#x}: {:?} -> {:?}", self.qp_num, q.state, next);
         match next {
             QpState::Reset => {
-                release_kept(locked, q);
+                release_kept(q);
                 q.sq.clear();
                 q.rq.clear();
                 q.peer = None;
@@ -296,14 +376,14 @@ impl QueuePair {
             }
             QpState::Err => {
                 q.state = QpState::Err;
-                self.flush(locked, q);
+                self.flush(q);
             }
             QpState::Rtr => {
                 q.state = QpState::Rtr;
                 q.peer = peer;
                 q.expected_seq = 0;
                 // Messages that arrived before RTR (the peer may be faster) are delivered now.
-                self.drain_early(locked, q);
+                self.drain_early(q);
             }
             QpState::Rts => {
                 if q.state == QpState::Rtr {
@@ -316,22 +396,23 @@ impl QueuePair {
     }
 
     /// Moves the QP to ERR because of a failure the engine saw (peer gone, transport error).
-    pub fn fail(&self, locked: &LockedWorker<'_>, status: WcStatus) {
-        let mut q = self.queues();
-        if q.state == QpState::Err || q.state == QpState::Reset {
-            return;
-        }
-        if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none()) {
-            e.outcome = Some(status);
-        }
-        self.release_send_completions(&mut q);
-        q.state = QpState::Err;
-        self.flush(locked, &mut q);
+    pub fn fail(self: &Arc<Self>, locked: &LockedWorker<'_>, status: WcStatus) {
+        self.locked_then_send(locked, |q| {
+            if q.state == QpState::Err || q.state == QpState::Reset {
+                return;
+            }
+            if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none()) {
+                e.outcome = Some(status);
+            }
+            self.release_send_completions(q);
+            q.state = QpState::Err;
+            self.flush(q);
+        })
     }
 
     /// Completes every outstanding WR with IBV_WC_WR_FLUSH_ERR, in order (sends after any
     /// already-finished ones, then receives).
-    fn flush(&self, locked: &LockedWorker<'_>, q: &mut Queues) {
+    fn flush(&self, q: &mut Queues) {
         self.release_send_completions(q);
         while let Some(e) = q.sq.pop_front() {
             let status = e.outcome.unwrap_or(WcStatus::WrFlushErr);
@@ -349,7 +430,7 @@ impl QueuePair {
         for r in q.rq.drain(..) {
             self.recv_cq.push(WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num), true);
         }
-        release_kept(locked, q);
+        release_kept(q);
     }
 
     // ---------------------------------------------------------------- send side
@@ -357,7 +438,10 @@ impl QueuePair {
     /// Posts one send WR. Errors are the ones `ibv_post_send` returns (the WR is not queued);
     /// failures found while executing it become error completions instead.
     pub fn post_send(self: &Arc<Self>, locked: &LockedWorker<'_>, req: SendRequest) -> Result<(), VerbsError> {
-        let mut q = self.queues();
+        self.locked_then_send(locked, |q| self.post_send_locked(q, req))
+    }
+
+    fn post_send_locked(&self, q: &mut Queues, req: SendRequest) -> Result<(), VerbsError> {
         match q.state {
             QpState::Rts | QpState::Sqd => {}
             QpState::Err | QpState::Sqe => {
@@ -403,12 +487,14 @@ impl QueuePair {
                 Some(spans) => SendPayload::Spans(spans),
                 None => {
                     tracing::debug!("qp {:#x}: wr_id {} has a bad lkey or range", self.qp_num, req.wr_id);
-                    return Ok(self.fail_entry(locked, &mut q, seq, WcStatus::LocProtErr));
+                    self.fail_entry(q, seq, WcStatus::LocProtErr);
+                    return Ok(());
                 }
             },
         };
         let Some(peer) = q.peer.clone() else {
-            return Ok(self.fail_entry(locked, &mut q, seq, WcStatus::RetryExcErr));
+            self.fail_entry(q, seq, WcStatus::RetryExcErr);
+            return Ok(());
         };
         let mut header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
         if req.opcode == SendOpcode::SendWithImm {
@@ -418,33 +504,17 @@ impl QueuePair {
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
-        let me = Arc::clone(self);
-        let sent = peer.endpoint.am_send(
-            locked,
-            wire::AM_ID,
-            &header.encode(),
-            payload,
-            Box::new(move |locked, result| {
-                if let Err(e) = result {
-                    tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
-                    me.fail(locked, WcStatus::RetryExcErr);
-                }
-            }),
-        );
-        if let Err(e) = sent {
-            tracing::debug!("qp {:#x}: cannot send: {e}", self.qp_num);
-            self.fail_entry(locked, &mut q, seq, WcStatus::RetryExcErr);
-        }
+        q.outbox.push(Deferred::Send { endpoint: peer.endpoint, header, payload, data_seq: Some(seq) });
         Ok(())
     }
 
-    fn fail_entry(&self, locked: &LockedWorker<'_>, q: &mut Queues, seq: u32, status: WcStatus) {
+    fn fail_entry(&self, q: &mut Queues, seq: u32, status: WcStatus) {
         if let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq) {
             e.outcome = Some(status);
         }
         self.release_send_completions(q);
         q.state = QpState::Err;
-        self.flush(locked, q);
+        self.flush(q);
     }
 
     /// Releases finished send WRs from the head of the queue, in post order.
@@ -461,8 +531,11 @@ impl QueuePair {
     }
 
     /// An ACK (or NAK) from the responder.
-    pub fn on_ack(&self, locked: &LockedWorker<'_>, h: &Header) {
-        let mut q = self.queues();
+    pub fn on_ack(self: &Arc<Self>, locked: &LockedWorker<'_>, h: &Header) {
+        self.locked_then_send(locked, |q| self.on_ack_locked(q, h))
+    }
+
+    fn on_ack_locked(&self, q: &mut Queues, h: &Header) {
         if !matches!(q.state, QpState::Rts | QpState::Sqd | QpState::Sqe) {
             return;
         }
@@ -477,7 +550,7 @@ impl QueuePair {
                     }
                     e.outcome.get_or_insert(WcStatus::Success);
                 }
-                self.release_send_completions(&mut q);
+                self.release_send_completions(q);
             }
             Some(nak) => {
                 for e in q.sq.iter_mut() {
@@ -491,7 +564,7 @@ impl QueuePair {
                     Nak::RemoteOperational => WcStatus::RemOpErr,
                     Nak::RemoteAccess => WcStatus::RemAccessErr,
                 };
-                self.fail_entry(locked, &mut q, h.seq, status);
+                self.fail_entry(q, h.seq, status);
             }
         }
     }
@@ -500,7 +573,10 @@ impl QueuePair {
 
     /// Posts one receive WR (errors as `ibv_post_recv` returns them).
     pub fn post_recv(self: &Arc<Self>, locked: &LockedWorker<'_>, req: RecvRequest) -> Result<(), VerbsError> {
-        let mut q = self.queues();
+        self.locked_then_send(locked, |q| self.post_recv_locked(q, req))
+    }
+
+    fn post_recv_locked(self: &Arc<Self>, q: &mut Queues, req: RecvRequest) -> Result<(), VerbsError> {
         match q.state {
             QpState::Reset => return Err(VerbsError::Invalid("post_recv on a QP in RESET")),
             QpState::Err => {
@@ -516,13 +592,16 @@ impl QueuePair {
             return Err(VerbsError::Invalid("num_sge above max_recv_sge"));
         }
         q.rq.push_back(req);
-        self.deliver_waiting(locked, &mut q);
+        self.deliver_waiting(q);
         Ok(())
     }
 
     /// A SEND for this QP. Returns true when the payload's data was kept (UCX must keep it).
     pub fn on_send(self: &Arc<Self>, locked: &LockedWorker<'_>, h: Header, payload: AmPayload<'_>) -> bool {
-        let mut q = self.queues();
+        self.locked_then_send(locked, |q| self.on_send_locked(q, h, payload))
+    }
+
+    fn on_send_locked(self: &Arc<Self>, q: &mut Queues, h: Header, payload: AmPayload<'_>) -> bool {
         let connected = q.peer.as_ref().map(|p| p.qpn);
         match q.state {
             QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => {
@@ -554,19 +633,19 @@ impl QueuePair {
         q.expected_seq = q.expected_seq.wrapping_add(1);
         let kept = if q.waiting.is_empty() && !q.rq.is_empty() {
             let wr = q.rq.pop_front().expect("checked non-empty");
-            self.deliver_current(locked, &mut q, wr, h, payload);
+            self.deliver_current(q, wr, h, payload);
             false
         } else {
             let (body, kept) = keep(payload);
             q.waiting.push_back(Pending { header: h, body });
             kept
         };
-        self.drain_early(locked, &mut q);
+        self.drain_early(q);
         kept
     }
 
     /// Moves messages that arrived early and are now next in sequence to the delivery path.
-    fn drain_early(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues) {
+    fn drain_early(self: &Arc<Self>, q: &mut Queues) {
         while let Some(p) = q.early.remove(&q.expected_seq) {
             q.expected_seq = q.expected_seq.wrapping_add(1);
             q.waiting.push_back(p);
@@ -574,14 +653,14 @@ impl QueuePair {
         if q.early.keys().next().is_some_and(|s| wire::seq_before(*s, q.expected_seq)) {
             q.early.retain(|s, _| !wire::seq_before(*s, 0)); // unreachable in practice
         }
-        self.deliver_waiting(locked, q);
+        self.deliver_waiting(q);
     }
 
-    fn deliver_waiting(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues) {
+    fn deliver_waiting(self: &Arc<Self>, q: &mut Queues) {
         while !q.waiting.is_empty() && !q.rq.is_empty() && q.state != QpState::Err {
             let p = q.waiting.pop_front().expect("checked");
             let wr = q.rq.pop_front().expect("checked");
-            self.deliver_kept(locked, q, wr, p);
+            self.deliver_kept(q, wr, p);
         }
     }
 
@@ -599,7 +678,7 @@ impl QueuePair {
 
     /// Checks the receive WR against the message; on failure completes it with an error,
     /// NAKs the sender and moves the QP to ERR.
-    fn check_receive(&self, locked: &LockedWorker<'_>, q: &mut Queues, wr: &RecvRequest, h: &Header, len: usize) -> Option<smallvec::SmallVec<[AppSpan; 4]>> {
+    fn check_receive(&self, q: &mut Queues, wr: &RecvRequest, h: &Header, len: usize) -> Option<smallvec::SmallVec<[AppSpan; 4]>> {
         let capacity: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
         let (status, nak) = if len as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
@@ -614,88 +693,73 @@ impl QueuePair {
         wc.status = status;
         wc.byte_len = 0;
         wc.wc_flags = 0;
-        self.release_landed(locked, q);
+        self.release_landed(q);
         self.recv_cq.push(wc, true);
-        self.send_ack(locked, q, h.seq, Some(nak));
+        self.send_ack(q, h.seq, Some(nak));
         q.state = QpState::Err;
-        self.flush(locked, q);
+        self.flush(q);
         None
     }
 
     /// Delivers the message of the running handler into `wr`.
-    fn deliver_current(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, wr: RecvRequest, h: Header, payload: AmPayload<'_>) {
+    fn deliver_current(self: &Arc<Self>, q: &mut Queues, wr: RecvRequest, h: Header, payload: AmPayload<'_>) {
         match payload {
-            AmPayload::Transient(bytes) => self.deliver_bytes(locked, q, wr, &h, bytes),
+            AmPayload::Transient(bytes) => self.deliver_bytes(q, wr, &h, bytes),
             AmPayload::Persistent(data) => {
                 // Consumed inside its own handler: read it and let UCX free it.
-                self.deliver_bytes(locked, q, wr, &h, data.bytes());
+                self.deliver_bytes(q, wr, &h, data.bytes());
                 std::mem::forget(data);
             }
             AmPayload::Rendezvous(data) => {
-                let Some(spans) = self.check_receive(locked, q, &wr, &h, data.len()) else {
+                let Some(spans) = self.check_receive(q, &wr, &h, data.len()) else {
                     std::mem::forget(data); // dropped by returning UCS_OK from the handler
                     return;
                 };
                 let wc = self.recv_completion(&wr, &h, data.len());
-                self.start_landing(locked, q, data, &spans, wc, &h);
+                self.start_landing(q, data, &spans, wc, &h);
             }
         }
     }
 
-    fn deliver_kept(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, wr: RecvRequest, p: Pending) {
+    fn deliver_kept(self: &Arc<Self>, q: &mut Queues, wr: RecvRequest, p: Pending) {
         let h = p.header;
         match p.body {
-            Body::Owned(bytes) => self.deliver_bytes(locked, q, wr, &h, &bytes),
+            Body::Owned(bytes) => self.deliver_bytes(q, wr, &h, &bytes),
             Body::Held(data) => {
-                let Some(spans) = self.check_receive(locked, q, &wr, &h, data.len()) else {
-                    locked.release(data);
+                let Some(spans) = self.check_receive(q, &wr, &h, data.len()) else {
+                    q.outbox.push(Deferred::Release(data));
                     return;
                 };
                 let wc = self.recv_completion(&wr, &h, data.len());
                 if data.is_rendezvous() {
-                    self.start_landing(locked, q, data, &spans, wc, &h);
+                    self.start_landing(q, data, &spans, wc, &h);
                 } else {
                     crate::ucp::scatter(&spans, data.bytes());
-                    locked.release(data);
-                    self.complete_receive(locked, q, wc, &h);
+                    q.outbox.push(Deferred::Release(data));
+                    self.complete_receive(q, wc, &h);
                 }
             }
         }
     }
 
-    fn deliver_bytes(&self, locked: &LockedWorker<'_>, q: &mut Queues, wr: RecvRequest, h: &Header, bytes: &[u8]) {
-        let Some(spans) = self.check_receive(locked, q, &wr, h, bytes.len()) else { return };
+    fn deliver_bytes(&self, q: &mut Queues, wr: RecvRequest, h: &Header, bytes: &[u8]) {
+        let Some(spans) = self.check_receive(q, &wr, h, bytes.len()) else { return };
         crate::ucp::scatter(&spans, bytes);
         let wc = self.recv_completion(&wr, h, bytes.len());
-        self.complete_receive(locked, q, wc, h);
+        self.complete_receive(q, wc, h);
     }
 
-    fn start_landing(self: &Arc<Self>, locked: &LockedWorker<'_>, q: &mut Queues, data: AmData, spans: &[AppSpan], wc: WorkCompletion, h: &Header) {
+    fn start_landing(&self, q: &mut Queues, data: AmData, spans: &[AppSpan], wc: WorkCompletion, h: &Header) {
         let seq = h.seq;
         q.landing.push_back(Landing { seq, wc, solicited: h.flags & wire::FLAG_SOLICITED != 0, landed: false });
-        let me = Arc::clone(self);
-        let done = Box::new(move |locked: &LockedWorker<'_>, result: Result<usize, crate::ucp::Error>| me.on_landed(locked, seq, result));
-        match locked.receive_rendezvous(data, spans, done) {
-            Ok(true) => {
-                if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
-                    l.landed = true;
-                }
-                self.release_landed(locked, q);
-            }
-            Ok(false) => {}
-            Err(e) => {
-                tracing::debug!("qp {:#x}: receive of seq {seq} failed: {e}", self.qp_num);
-                if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
-                    l.wc.status = WcStatus::LocQpOpErr;
-                    l.landed = true;
-                }
-                self.release_landed(locked, q);
-            }
-        }
+        q.outbox.push(Deferred::Receive { data, spans: SmallVec::from_slice(spans), seq });
     }
 
-    fn on_landed(&self, locked: &LockedWorker<'_>, seq: u32, result: Result<usize, crate::ucp::Error>) {
-        let mut q = self.queues();
+    fn on_landed(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32, result: Result<usize, crate::ucp::Error>) {
+        self.locked_then_send(locked, |q| self.on_landed_locked(q, seq, result))
+    }
+
+    fn on_landed_locked(&self, q: &mut Queues, seq: u32, result: Result<usize, crate::ucp::Error>) {
         if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
             l.landed = true;
             if let Err(e) = result {
@@ -703,11 +767,11 @@ impl QueuePair {
                 l.wc.status = WcStatus::LocQpOpErr;
             }
         }
-        self.release_landed(locked, &mut q);
+        self.release_landed(q);
     }
 
     /// Completes receives whose data has landed, in order, and acknowledges them.
-    fn release_landed(&self, locked: &LockedWorker<'_>, q: &mut Queues) {
+    fn release_landed(&self, q: &mut Queues) {
         let mut last = None;
         while q.landing.front().is_some_and(|l| l.landed) {
             let l = q.landing.pop_front().expect("checked");
@@ -715,28 +779,27 @@ impl QueuePair {
             last = Some(l.seq);
         }
         if let Some(seq) = last {
-            self.send_ack(locked, q, seq, None);
+            self.send_ack(q, seq, None);
         }
     }
 
-    fn complete_receive(&self, locked: &LockedWorker<'_>, q: &mut Queues, wc: WorkCompletion, h: &Header) {
+    fn complete_receive(&self, q: &mut Queues, wc: WorkCompletion, h: &Header) {
         let solicited = h.flags & wire::FLAG_SOLICITED != 0;
         if q.landing.is_empty() {
             self.recv_cq.push(wc, solicited);
-            self.send_ack(locked, q, h.seq, None);
+            self.send_ack(q, h.seq, None);
         } else {
             q.landing.push_back(Landing { seq: h.seq, wc, solicited, landed: true });
-            self.release_landed(locked, q);
+            self.release_landed(q);
         }
     }
 
-    fn send_ack(&self, locked: &LockedWorker<'_>, q: &Queues, seq: u32, nak: Option<Nak>) {
+    fn send_ack(&self, q: &mut Queues, seq: u32, nak: Option<Nak>) {
         let Some(peer) = &q.peer else { return };
-        let mut h = Header::new(Op::Ack, peer.qpn, self.qp_num, self.local_lid, seq);
-        h.status = nak.map_or(0, |n| n as u8);
-        if let Err(e) = peer.endpoint.am_send(locked, wire::AM_ID, &h.encode(), SendPayload::None, Box::new(|_, _| {})) {
-            tracing::debug!("qp {:#x}: cannot acknowledge seq {seq}: {e}", self.qp_num);
-        }
+        let mut header = Header::new(Op::Ack, peer.qpn, self.qp_num, self.local_lid, seq);
+        header.status = nak.map_or(0, |n| n as u8);
+        let endpoint = Arc::clone(&peer.endpoint);
+        q.outbox.push(Deferred::Send { endpoint, header, payload: SendPayload::None, data_seq: None });
     }
 }
 
@@ -748,13 +811,17 @@ fn keep(payload: AmPayload<'_>) -> (Body, bool) {
     }
 }
 
-fn release_kept(locked: &LockedWorker<'_>, q: &mut Queues) {
+fn release_kept(q: &mut Queues) {
     let early = std::mem::take(&mut q.early);
-    for p in early.into_values().chain(q.waiting.drain(..)) {
-        if let Body::Held(d) = p.body {
-            locked.release(d);
-        }
-    }
+    let held: Vec<AmData> = early
+        .into_values()
+        .chain(q.waiting.drain(..))
+        .filter_map(|p| match p.body {
+            Body::Held(d) => Some(d),
+            Body::Owned(_) => None,
+        })
+        .collect();
+    q.outbox.extend(held.into_iter().map(Deferred::Release));
 }
 
 fn check_values(req: &ModifyRequest) -> Result<(), VerbsError> {
