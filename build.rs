@@ -81,7 +81,9 @@ fn main() {
     for f in UCX_FUNCTIONS {
         builder = builder.allowlist_function(f);
     }
-    let bindings = builder.generate().expect("bindgen failed on the verbs/ucx headers");
+    let bindings = builder
+        .generate()
+        .expect("bindgen failed on the verbs/ucx headers");
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join("sys.rs");
     bindings.write_to_file(out).expect("cannot write sys.rs");
 }

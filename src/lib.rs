@@ -9,8 +9,8 @@
 
 mod capi;
 pub mod engine;
+pub mod fake_verbs;
 mod log;
 pub mod report;
-pub mod fake_verbs;
 pub mod sys;
 pub mod ucp;

@@ -5,15 +5,27 @@ use crate::fake_verbs::device::{self, DeviceAttributes};
 use std::fmt::Write;
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.chunks(2).map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<String>()).collect::<Vec<_>>().join(":")
+    bytes
+        .chunks(2)
+        .map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<String>())
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 pub fn describe(engine: &Engine) -> String {
     let attrs = DeviceAttributes::new(engine.network.node_guid());
     let mut out = String::new();
-    let _ = writeln!(out, "device:        {} ({})", device::DEVICE_NAME, attrs.fw_ver);
+    let _ = writeln!(
+        out,
+        "device:        {} ({})",
+        device::DEVICE_NAME,
+        attrs.fw_ver
+    );
     let _ = writeln!(out, "node_guid:     {}", hex(&attrs.node_guid));
-    let _ = writeln!(out, "port 1:        PORT_ACTIVE, link_layer InfiniBand, MTU 4096");
+    let _ = writeln!(
+        out,
+        "port 1:        PORT_ACTIVE, link_layer InfiniBand, MTU 4096"
+    );
     let _ = writeln!(out, "  lid:         {:#06x}", engine.lid);
     let _ = writeln!(out, "  gid[0]:      {}", hex(&engine.gid));
     let _ = writeln!(out, "host address:  {}", engine.network.ipv4);
@@ -25,7 +37,11 @@ pub fn describe(engine: &Engine) -> String {
             let _ = writeln!(out, "lid queries:   unavailable ({e})");
         }
     }
-    let _ = writeln!(out, "ucx:           {}", crate::ucp::ucx_version().unwrap_or_default());
+    let _ = writeln!(
+        out,
+        "ucx:           {}",
+        crate::ucp::ucx_version().unwrap_or_default()
+    );
     match engine.loopback_transports() {
         Ok(t) => {
             let _ = writeln!(out, "ucx transports to a peer on this host:");

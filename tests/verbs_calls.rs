@@ -22,7 +22,10 @@ fn rc_send_recv_completes_with_every_field() {
     dst.data.fill(0xee);
     assert_eq!(post_one_recv(lb.b, 7, &mut [dst.sge(0, 64)]), 0);
     let mut sge = [src.sge(0, 5)];
-    assert_eq!(post_one_send(lb.a, &mut send_wr(9, &mut sge, SEND, SIGNALED)), 0);
+    assert_eq!(
+        post_one_send(lb.a, &mut send_wr(9, &mut sge, SEND, SIGNALED)),
+        0
+    );
 
     let wc = poll_n(lb.cq_b, 1)[0];
     assert_eq!(wc.wr_id, 7);
@@ -33,12 +36,21 @@ fn rc_send_recv_completes_with_every_field() {
     assert_eq!(wc.src_qp, qp_num(lb.a));
     assert_eq!(wc.wc_flags, 0, "no immediate, no GRH on RC");
     assert_eq!(wc.slid, lb.dev.lid);
-    assert_eq!((wc.sl, wc.dlid_path_bits, wc.pkey_index, wc.vendor_err), (0, 0, 0, 0));
+    assert_eq!(
+        (wc.sl, wc.dlid_path_bits, wc.pkey_index, wc.vendor_err),
+        (0, 0, 0, 0)
+    );
     assert_eq!(&dst.data[..5], b"hello");
-    assert!(dst.data[5..].iter().all(|b| *b == 0xee), "bytes past the message are untouched");
+    assert!(
+        dst.data[5..].iter().all(|b| *b == 0xee),
+        "bytes past the message are untouched"
+    );
 
     let wc = poll_n(lb.cq_a, 1)[0];
-    assert_eq!((wc.wr_id, wc.status, wc.opcode), (9, ibv_wc_status::IBV_WC_SUCCESS, ibv_wc_opcode::IBV_WC_SEND));
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (9, ibv_wc_status::IBV_WC_SUCCESS, ibv_wc_opcode::IBV_WC_SEND)
+    );
     assert_eq!(wc.qp_num, qp_num(lb.a));
     assert_eq!(wc.byte_len, 5);
 }
@@ -67,7 +79,10 @@ fn zero_length_send_completes_with_byte_len_zero() {
     let lb = Loopback::rc(4);
     let dst = Buffer::new(&lb.dev, 16, LOCAL_WRITE);
     assert_eq!(post_one_recv(lb.b, 1, &mut [dst.sge(0, 16)]), 0);
-    assert_eq!(post_one_send(lb.a, &mut send_wr(2, &mut [], SEND, SIGNALED)), 0);
+    assert_eq!(
+        post_one_send(lb.a, &mut send_wr(2, &mut [], SEND, SIGNALED)),
+        0
+    );
     let wc = poll_n(lb.cq_b, 1)[0];
     assert_eq!((wc.status, wc.byte_len), (ibv_wc_status::IBV_WC_SUCCESS, 0));
     assert_eq!(poll_n(lb.cq_a, 1)[0].status, ibv_wc_status::IBV_WC_SUCCESS);
@@ -84,16 +99,36 @@ fn gather_and_scatter_with_different_sge_boundaries() {
         let dst = Buffer::new(&lb.dev, len + 64, LOCAL_WRITE);
         // sender: 3 SGEs (first, middle, last third); receiver: 2 SGEs split elsewhere.
         let (s1, s2) = (len / 3, len / 3 + len / 5);
-        let mut send_sges = [src.sge(0, s1 as u32), src.sge(s1, (s2 - s1) as u32), src.sge(s2, (len - s2) as u32)];
+        let mut send_sges = [
+            src.sge(0, s1 as u32),
+            src.sge(s1, (s2 - s1) as u32),
+            src.sge(s2, (len - s2) as u32),
+        ];
         let r1 = len / 2 + 1;
-        let mut recv_sges = [dst.sge(0, r1.min(len) as u32), dst.sge(r1.min(len), (len + 64 - r1.min(len)) as u32)];
+        let mut recv_sges = [
+            dst.sge(0, r1.min(len) as u32),
+            dst.sge(r1.min(len), (len + 64 - r1.min(len)) as u32),
+        ];
         assert_eq!(post_one_recv(lb.b, len as u64, &mut recv_sges), 0);
-        assert_eq!(post_one_send(lb.a, &mut send_wr(len as u64, &mut send_sges, SEND, SIGNALED)), 0);
+        assert_eq!(
+            post_one_send(
+                lb.a,
+                &mut send_wr(len as u64, &mut send_sges, SEND, SIGNALED)
+            ),
+            0
+        );
         let wc = poll_n(lb.cq_b, 1)[0];
-        assert_eq!((wc.wr_id, wc.status, wc.byte_len), (len as u64, ibv_wc_status::IBV_WC_SUCCESS, len as u32), "len {len}");
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (len as u64, ibv_wc_status::IBV_WC_SUCCESS, len as u32),
+            "len {len}"
+        );
         assert_eq!(&dst.data[..len], &src.data[..len], "len {len}");
         let wc = poll_n(lb.cq_a, 1)[0];
-        assert_eq!((wc.wr_id, wc.status), (len as u64, ibv_wc_status::IBV_WC_SUCCESS));
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (len as u64, ibv_wc_status::IBV_WC_SUCCESS)
+        );
     }
 }
 
@@ -103,8 +138,15 @@ fn inline_send_needs_no_lkey_and_buffer_is_reusable_at_once() {
     let dst = Buffer::new(&lb.dev, 64, LOCAL_WRITE);
     assert_eq!(post_one_recv(lb.b, 1, &mut [dst.sge(0, 64)]), 0);
     let mut local = *b"inline!!";
-    let mut sge = [ibv_sge { addr: local.as_mut_ptr() as u64, length: 8, lkey: 0 }];
-    assert_eq!(post_one_send(lb.a, &mut send_wr(5, &mut sge, SEND, SIGNALED | INLINE)), 0);
+    let mut sge = [ibv_sge {
+        addr: local.as_mut_ptr() as u64,
+        length: 8,
+        lkey: 0,
+    }];
+    assert_eq!(
+        post_one_send(lb.a, &mut send_wr(5, &mut sge, SEND, SIGNALED | INLINE)),
+        0
+    );
     local.copy_from_slice(b"XXXXXXXX"); // allowed right after post_send returns
     let wc = poll_n(lb.cq_b, 1)[0];
     assert_eq!((wc.status, wc.byte_len), (ibv_wc_status::IBV_WC_SUCCESS, 8));
@@ -116,7 +158,11 @@ fn inline_send_needs_no_lkey_and_buffer_is_reusable_at_once() {
 fn inline_above_max_inline_data_is_refused_with_bad_wr() {
     let lb = Loopback::rc(16);
     let mut big = vec![0u8; 4096];
-    let mut sge = [ibv_sge { addr: big.as_mut_ptr() as u64, length: 4096, lkey: 0 }];
+    let mut sge = [ibv_sge {
+        addr: big.as_mut_ptr() as u64,
+        length: 4096,
+        lkey: 0,
+    }];
     let mut wr = send_wr(1, &mut sge, SEND, SIGNALED | INLINE);
     let mut bad = null_mut();
     assert_eq!(unsafe { post_send(lb.a, &mut wr, &mut bad) }, libc::EINVAL);
@@ -129,20 +175,37 @@ fn send_completions_come_in_post_order_and_unsignaled_ones_stay_silent() {
     let src = Buffer::new(&lb.dev, 64 * 1024, LOCAL_WRITE);
     let dst = Buffer::new(&lb.dev, 64 * 64 * 1024, LOCAL_WRITE);
     for i in 0..32u64 {
-        assert_eq!(post_one_recv(lb.b, 100 + i, &mut [dst.sge(i as usize * 65536, 65536)]), 0);
+        assert_eq!(
+            post_one_recv(lb.b, 100 + i, &mut [dst.sge(i as usize * 65536, 65536)]),
+            0
+        );
     }
     // Mix rendezvous-sized and small messages so UCX completes them out of order internally.
     for i in 0..32u64 {
         let len = if i % 3 == 0 { 60_000 } else { 16 };
         let flags = if i % 2 == 0 { SIGNALED } else { 0 };
         let mut sge = [src.sge(0, len)];
-        assert_eq!(post_one_send(lb.a, &mut send_wr(i, &mut sge, SEND, flags)), 0);
+        assert_eq!(
+            post_one_send(lb.a, &mut send_wr(i, &mut sge, SEND, flags)),
+            0
+        );
     }
     let recvs = poll_n(lb.cq_b, 32);
-    assert_eq!(recvs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), (100..132).collect::<Vec<_>>(), "receives in order");
+    assert_eq!(
+        recvs.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        (100..132).collect::<Vec<_>>(),
+        "receives in order"
+    );
     let sends = poll_n(lb.cq_a, 16);
-    assert_eq!(sends.iter().map(|w| w.wr_id).collect::<Vec<_>>(), (0..32).step_by(2).collect::<Vec<_>>());
-    assert!(sends.iter().all(|w| w.status == ibv_wc_status::IBV_WC_SUCCESS));
+    assert_eq!(
+        sends.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        (0..32).step_by(2).collect::<Vec<_>>()
+    );
+    assert!(
+        sends
+            .iter()
+            .all(|w| w.status == ibv_wc_status::IBV_WC_SUCCESS)
+    );
     assert_no_completion(lb.cq_a, Duration::from_millis(100));
 }
 
@@ -154,17 +217,33 @@ fn receive_buffer_too_small_fails_both_sides_and_flushes() {
     assert_eq!(post_one_recv(lb.b, 1, &mut [dst.sge(0, 8)]), 0);
     assert_eq!(post_one_recv(lb.b, 2, &mut [dst.sge(8, 64)]), 0);
     let mut sge = [src.sge(0, 16)];
-    assert_eq!(post_one_send(lb.a, &mut send_wr(10, &mut sge, SEND, SIGNALED)), 0);
+    assert_eq!(
+        post_one_send(lb.a, &mut send_wr(10, &mut sge, SEND, SIGNALED)),
+        0
+    );
     let mut sge2 = [src.sge(0, 4)];
     assert_eq!(post_one_send(lb.a, &mut send_wr(11, &mut sge2, SEND, 0)), 0);
 
     let rb = poll_n(lb.cq_b, 2);
-    assert_eq!((rb[0].wr_id, rb[0].status), (1, ibv_wc_status::IBV_WC_LOC_LEN_ERR));
+    assert_eq!(
+        (rb[0].wr_id, rb[0].status),
+        (1, ibv_wc_status::IBV_WC_LOC_LEN_ERR)
+    );
     assert_eq!(rb[0].qp_num, qp_num(lb.b));
-    assert_eq!((rb[1].wr_id, rb[1].status), (2, ibv_wc_status::IBV_WC_WR_FLUSH_ERR));
+    assert_eq!(
+        (rb[1].wr_id, rb[1].status),
+        (2, ibv_wc_status::IBV_WC_WR_FLUSH_ERR)
+    );
     let sa = poll_n(lb.cq_a, 2);
-    assert_eq!((sa[0].wr_id, sa[0].status), (10, ibv_wc_status::IBV_WC_REM_INV_REQ_ERR));
-    assert_eq!((sa[1].wr_id, sa[1].status), (11, ibv_wc_status::IBV_WC_WR_FLUSH_ERR), "unsignaled WRs are flushed with a completion");
+    assert_eq!(
+        (sa[0].wr_id, sa[0].status),
+        (10, ibv_wc_status::IBV_WC_REM_INV_REQ_ERR)
+    );
+    assert_eq!(
+        (sa[1].wr_id, sa[1].status),
+        (11, ibv_wc_status::IBV_WC_WR_FLUSH_ERR),
+        "unsignaled WRs are flushed with a completion"
+    );
     assert_eq!(qp_state(lb.a), ibv_qp_state::IBV_QPS_ERR.0);
     assert_eq!(qp_state(lb.b), ibv_qp_state::IBV_QPS_ERR.0);
     assert_eq!(&dst.data[..8], &[0u8; 8], "nothing was written");
@@ -176,13 +255,29 @@ fn bad_lkey_and_out_of_range_sge_complete_with_loc_prot_err() {
         let lb = Loopback::rc(8);
         let src = Buffer::new(&lb.dev, 64, LOCAL_WRITE);
         let mut sge = match case {
-            0 => [ibv_sge { addr: src.addr(), length: 8, lkey: src.lkey() ^ 0x5a5a_0000 }],
+            0 => [ibv_sge {
+                addr: src.addr(),
+                length: 8,
+                lkey: src.lkey() ^ 0x5a5a_0000,
+            }],
             1 => [src.sge(60, 8)], // runs past the end of the MR
-            _ => [ibv_sge { addr: u64::MAX - 2, length: 8, lkey: src.lkey() }], // addr + len overflows
+            _ => [ibv_sge {
+                addr: u64::MAX - 2,
+                length: 8,
+                lkey: src.lkey(),
+            }], // addr + len overflows
         };
-        assert_eq!(post_one_send(lb.a, &mut send_wr(3, &mut sge, SEND, SIGNALED)), 0, "case {case}: an execution error, not a post error");
+        assert_eq!(
+            post_one_send(lb.a, &mut send_wr(3, &mut sge, SEND, SIGNALED)),
+            0,
+            "case {case}: an execution error, not a post error"
+        );
         let wc = poll_n(lb.cq_a, 1)[0];
-        assert_eq!((wc.wr_id, wc.status), (3, ibv_wc_status::IBV_WC_LOC_PROT_ERR), "case {case}");
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (3, ibv_wc_status::IBV_WC_LOC_PROT_ERR),
+            "case {case}"
+        );
         assert_eq!(qp_state(lb.a), ibv_qp_state::IBV_QPS_ERR.0);
     }
 }
@@ -194,9 +289,18 @@ fn receive_into_mr_without_local_write_is_a_protection_error() {
     let ro = Buffer::new(&lb.dev, 64, 0);
     assert_eq!(post_one_recv(lb.b, 1, &mut [ro.sge(0, 64)]), 0);
     let mut sge = [src.sge(0, 8)];
-    assert_eq!(post_one_send(lb.a, &mut send_wr(2, &mut sge, SEND, SIGNALED)), 0);
-    assert_eq!(poll_n(lb.cq_b, 1)[0].status, ibv_wc_status::IBV_WC_LOC_PROT_ERR);
-    assert_eq!(poll_n(lb.cq_a, 1)[0].status, ibv_wc_status::IBV_WC_REM_OP_ERR);
+    assert_eq!(
+        post_one_send(lb.a, &mut send_wr(2, &mut sge, SEND, SIGNALED)),
+        0
+    );
+    assert_eq!(
+        poll_n(lb.cq_b, 1)[0].status,
+        ibv_wc_status::IBV_WC_LOC_PROT_ERR
+    );
+    assert_eq!(
+        poll_n(lb.cq_a, 1)[0].status,
+        ibv_wc_status::IBV_WC_REM_OP_ERR
+    );
 }
 
 #[test]
@@ -205,13 +309,23 @@ fn full_send_queue_is_enomem_with_bad_wr_at_first_failing_wr() {
     let src = Buffer::new(&lb.dev, 64, LOCAL_WRITE);
     // No receives posted at the peer: nothing completes, so the 5th WR finds the SQ full.
     let mut sges: Vec<[ibv_sge; 1]> = (0..6).map(|_| [src.sge(0, 8)]).collect();
-    let mut wrs: Vec<ibv_send_wr> = sges.iter_mut().enumerate().map(|(i, s)| send_wr(i as u64, s, SEND, SIGNALED)).collect();
+    let mut wrs: Vec<ibv_send_wr> = sges
+        .iter_mut()
+        .enumerate()
+        .map(|(i, s)| send_wr(i as u64, s, SEND, SIGNALED))
+        .collect();
     for i in 0..5 {
         wrs[i].next = &mut wrs[i + 1] as *mut _;
     }
     let mut bad = null_mut();
-    assert_eq!(unsafe { post_send(lb.a, wrs.as_mut_ptr(), &mut bad) }, libc::ENOMEM);
-    assert_eq!(bad, &mut wrs[4] as *mut _, "bad_wr is the first WR that did not fit");
+    assert_eq!(
+        unsafe { post_send(lb.a, wrs.as_mut_ptr(), &mut bad) },
+        libc::ENOMEM
+    );
+    assert_eq!(
+        bad, &mut wrs[4] as *mut _,
+        "bad_wr is the first WR that did not fit"
+    );
 }
 
 #[test]
@@ -230,13 +344,36 @@ fn posting_in_the_wrong_state_is_einval() {
     let qp = dev.rc_qp(cq, cq, 4);
     let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
     let mut sge = [buf.sge(0, 8)];
-    assert_eq!(post_one_send(qp, &mut send_wr(1, &mut sge, SEND, SIGNALED)), libc::EINVAL, "send in RESET");
-    assert_eq!(post_one_recv(qp, 1, &mut [buf.sge(0, 8)]), libc::EINVAL, "recv in RESET");
-    let mut a = ibv_qp_attr { qp_state: ibv_qp_state::IBV_QPS_INIT, port_num: 1, ..Default::default() };
-    let m = ibv_qp_attr_mask::IBV_QP_STATE.0 | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0 | ibv_qp_attr_mask::IBV_QP_PORT.0 | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+    assert_eq!(
+        post_one_send(qp, &mut send_wr(1, &mut sge, SEND, SIGNALED)),
+        libc::EINVAL,
+        "send in RESET"
+    );
+    assert_eq!(
+        post_one_recv(qp, 1, &mut [buf.sge(0, 8)]),
+        libc::EINVAL,
+        "recv in RESET"
+    );
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_INIT,
+        port_num: 1,
+        ..Default::default()
+    };
+    let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+        | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+        | ibv_qp_attr_mask::IBV_QP_PORT.0
+        | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
     assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m as c_int) }, 0);
-    assert_eq!(post_one_send(qp, &mut send_wr(1, &mut sge, SEND, SIGNALED)), libc::EINVAL, "send in INIT");
-    assert_eq!(post_one_recv(qp, 1, &mut [buf.sge(0, 8)]), 0, "recv in INIT is allowed");
+    assert_eq!(
+        post_one_send(qp, &mut send_wr(1, &mut sge, SEND, SIGNALED)),
+        libc::EINVAL,
+        "send in INIT"
+    );
+    assert_eq!(
+        post_one_recv(qp, 1, &mut [buf.sge(0, 8)]),
+        0,
+        "recv in INIT is allowed"
+    );
     unsafe {
         ibv_destroy_qp(qp);
         ibv_destroy_cq(cq);
@@ -249,19 +386,47 @@ fn invalid_transition_or_mask_changes_nothing() {
     let cq = dev.cq(8);
     let qp = dev.rc_qp(cq, cq, 4);
     // RESET -> RTR is not a transition.
-    let mut a = ibv_qp_attr { qp_state: ibv_qp_state::IBV_QPS_RTR, ..Default::default() };
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) }, libc::EINVAL);
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_RTR,
+        ..Default::default()
+    };
+    assert_eq!(
+        unsafe { ibv_modify_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) },
+        libc::EINVAL
+    );
     assert_eq!(qp_state(qp), ibv_qp_state::IBV_QPS_RESET.0);
     // RESET -> INIT without the required PORT.
-    let mut a = ibv_qp_attr { qp_state: ibv_qp_state::IBV_QPS_INIT, port_num: 1, qp_access_flags: 6, ..Default::default() };
-    let m = ibv_qp_attr_mask::IBV_QP_STATE.0 | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0 | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m as c_int) }, libc::EINVAL);
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_INIT,
+        port_num: 1,
+        qp_access_flags: 6,
+        ..Default::default()
+    };
+    let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+        | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+        | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+    assert_eq!(
+        unsafe { ibv_modify_qp(qp, &mut a, m as c_int) },
+        libc::EINVAL
+    );
     // ... or with an attribute this transition does not take (SQ_PSN).
     let m2 = m | ibv_qp_attr_mask::IBV_QP_PORT.0 | ibv_qp_attr_mask::IBV_QP_SQ_PSN.0;
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m2 as c_int) }, libc::EINVAL);
+    assert_eq!(
+        unsafe { ibv_modify_qp(qp, &mut a, m2 as c_int) },
+        libc::EINVAL
+    );
     // ... or a bad port number.
     let mut bad_port = ibv_qp_attr { port_num: 7, ..a };
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut bad_port, (m | ibv_qp_attr_mask::IBV_QP_PORT.0) as c_int) }, libc::EINVAL);
+    assert_eq!(
+        unsafe {
+            ibv_modify_qp(
+                qp,
+                &mut bad_port,
+                (m | ibv_qp_attr_mask::IBV_QP_PORT.0) as c_int,
+            )
+        },
+        libc::EINVAL
+    );
     assert_eq!(qp_state(qp), ibv_qp_state::IBV_QPS_RESET.0);
     let mut qa = ibv_qp_attr::default();
     let mut qi = ibv_qp_init_attr::default();
@@ -269,14 +434,26 @@ fn invalid_transition_or_mask_changes_nothing() {
     assert_eq!(qa.qp_state, ibv_qp_state::IBV_QPS_RESET);
     assert_eq!(qa.qp_access_flags, 0, "a refused modify sets no attribute");
     // The valid one goes through, and query reports what was set.
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, (m | ibv_qp_attr_mask::IBV_QP_PORT.0) as c_int) }, 0);
+    assert_eq!(
+        unsafe { ibv_modify_qp(qp, &mut a, (m | ibv_qp_attr_mask::IBV_QP_PORT.0) as c_int) },
+        0
+    );
     assert_eq!(unsafe { ibv_query_qp(qp, &mut qa, 0, &mut qi) }, 0);
-    assert_eq!((qa.qp_state, qa.qp_access_flags, qa.port_num), (ibv_qp_state::IBV_QPS_INIT, 6, 1));
+    assert_eq!(
+        (qa.qp_state, qa.qp_access_flags, qa.port_num),
+        (ibv_qp_state::IBV_QPS_INIT, 6, 1)
+    );
     assert_eq!(qi.qp_type, ibv_qp_type::IBV_QPT_RC);
     assert_eq!(qi.send_cq, cq);
     // An unknown state value from the application is refused, not trusted.
-    let mut junk = ibv_qp_attr { qp_state: ibv_qp_state(77), ..Default::default() };
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut junk, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) }, libc::EINVAL);
+    let mut junk = ibv_qp_attr {
+        qp_state: ibv_qp_state(77),
+        ..Default::default()
+    };
+    assert_eq!(
+        unsafe { ibv_modify_qp(qp, &mut junk, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) },
+        libc::EINVAL
+    );
     unsafe {
         ibv_destroy_qp(qp);
         ibv_destroy_cq(cq);
@@ -292,14 +469,29 @@ fn moving_to_err_flushes_every_outstanding_wr_in_order() {
     }
     to_error(lb.b);
     let wcs = poll_n(lb.cq_b, 5);
-    assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
-    assert!(wcs.iter().all(|w| w.status == ibv_wc_status::IBV_WC_WR_FLUSH_ERR && w.qp_num == qp_num(lb.b)));
+    assert_eq!(
+        wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3, 4]
+    );
+    assert!(
+        wcs.iter()
+            .all(|w| w.status == ibv_wc_status::IBV_WC_WR_FLUSH_ERR && w.qp_num == qp_num(lb.b))
+    );
     // Posting in ERR completes at once with a flush error.
     assert_eq!(post_one_recv(lb.b, 9, &mut [dst.sge(0, 8)]), 0);
-    assert_eq!(poll_n(lb.cq_b, 1)[0].status, ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+    assert_eq!(
+        poll_n(lb.cq_b, 1)[0].status,
+        ibv_wc_status::IBV_WC_WR_FLUSH_ERR
+    );
     // ERR -> RESET -> INIT works again.
-    let mut a = ibv_qp_attr { qp_state: ibv_qp_state::IBV_QPS_RESET, ..Default::default() };
-    assert_eq!(unsafe { ibv_modify_qp(lb.b, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) }, 0);
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_RESET,
+        ..Default::default()
+    };
+    assert_eq!(
+        unsafe { ibv_modify_qp(lb.b, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) },
+        0
+    );
     assert_eq!(qp_state(lb.b), ibv_qp_state::IBV_QPS_RESET.0);
 }
 
@@ -314,16 +506,29 @@ fn messages_wait_for_a_receive_and_arrive_in_order() {
     }
     for i in 0..8u64 {
         let mut sge = [s.sge(i as usize * 64, 64)];
-        assert_eq!(post_one_send(lb.a, &mut send_wr(i, &mut sge, SEND, SIGNALED)), 0);
+        assert_eq!(
+            post_one_send(lb.a, &mut send_wr(i, &mut sge, SEND, SIGNALED)),
+            0
+        );
     }
     assert_no_completion(lb.cq_b, Duration::from_millis(50));
     for i in 0..8u64 {
-        assert_eq!(post_one_recv(lb.b, i, &mut [dst.sge(i as usize * 64, 64)]), 0);
+        assert_eq!(
+            post_one_recv(lb.b, i, &mut [dst.sge(i as usize * 64, 64)]),
+            0
+        );
     }
     let wcs = poll_n(lb.cq_b, 8);
-    assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    assert_eq!(
+        wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        (0..8).collect::<Vec<_>>()
+    );
     for i in 0..8 {
-        assert_eq!(dst.data[i * 64], i as u8 + 1, "message {i} landed in receive {i}");
+        assert_eq!(
+            dst.data[i * 64],
+            i as u8 + 1,
+            "message {i} landed in receive {i}"
+        );
     }
     assert_eq!(poll_n(lb.cq_a, 8).len(), 8);
 }
@@ -346,7 +551,10 @@ fn completion_channel_fires_without_polling_and_respects_arming() {
         assert_eq!(req_notify_cq(cq_b, 0), 0);
         assert_eq!(post_one_recv(b, 1, &mut [dst.sge(0, 8)]), 0);
         let mut sge = [src.sge(0, 8)];
-        assert_eq!(post_one_send(a, &mut send_wr(2, &mut sge, SEND, SIGNALED)), 0);
+        assert_eq!(
+            post_one_send(a, &mut send_wr(2, &mut sge, SEND, SIGNALED)),
+            0
+        );
         // Block in ibv_get_cq_event: the progress thread must deliver without any poll.
         let mut ev_cq = null_mut();
         let mut ev_ctx = null_mut();
@@ -356,7 +564,10 @@ fn completion_channel_fires_without_polling_and_respects_arming() {
         assert_eq!(poll_n(cq_b, 1)[0].wr_id, 1);
         // Not re-armed: the next completion raises no event.
         assert_eq!(post_one_recv(b, 3, &mut [dst.sge(0, 8)]), 0);
-        assert_eq!(post_one_send(a, &mut send_wr(4, &mut sge, SEND, SIGNALED)), 0);
+        assert_eq!(
+            post_one_send(a, &mut send_wr(4, &mut sge, SEND, SIGNALED)),
+            0
+        );
         assert_eq!(poll_n(cq_b, 1)[0].wr_id, 3);
         let fd = (*ch).fd;
         let flags = libc::fcntl(fd, libc::F_GETFL);
@@ -388,7 +599,10 @@ fn cq_overrun_raises_cq_err_async_event() {
         for i in 0..4 {
             assert_eq!(post_one_recv(b, i, &mut [buf.sge(0, 8)]), 0);
             let mut sge = [buf.sge(8, 8)];
-            assert_eq!(post_one_send(a, &mut send_wr(i, &mut sge, SEND, SIGNALED)), 0);
+            assert_eq!(
+                post_one_send(a, &mut send_wr(i, &mut sge, SEND, SIGNALED)),
+                0
+            );
         }
         poll_n(cq_b, 4);
         let mut ev = ibv_async_event::default();
@@ -410,7 +624,10 @@ fn extended_send_path_posts_like_post_send() {
     let dst = Buffer::new(&lb.dev, 256, LOCAL_WRITE);
     src.data[..4].copy_from_slice(b"abcd");
     for i in 0..3 {
-        assert_eq!(post_one_recv(lb.b, i, &mut [dst.sge(i as usize * 64, 64)]), 0);
+        assert_eq!(
+            post_one_recv(lb.b, i, &mut [dst.sge(i as usize * 64, 64)]),
+            0
+        );
     }
     unsafe {
         let qpx = ibv_qp_to_qp_ex(lb.a);
@@ -445,7 +662,10 @@ fn extended_send_path_posts_like_post_send() {
     assert_eq!(u32::from_be(imm(&r[1])), 0xabcd);
     assert_eq!(&dst.data[128..131], b"xyz");
     let s = poll_n(lb.cq_a, 3);
-    assert_eq!(s.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![21, 22, 23]);
+    assert_eq!(
+        s.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        vec![21, 22, 23]
+    );
     assert_no_completion(lb.cq_b, Duration::from_millis(50));
 }
 
@@ -456,17 +676,30 @@ fn create_qp_ex_refuses_unsupported_requests() {
     let mut attr = ibv_qp_init_attr_ex {
         send_cq: cq,
         recv_cq: cq,
-        cap: ibv_qp_cap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
+        cap: ibv_qp_cap {
+            max_send_wr: 4,
+            max_recv_wr: 4,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
         qp_type: ibv_qp_type::IBV_QPT_RC,
-        comp_mask: ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0,
+        comp_mask: ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
+            | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0,
         pd: dev.pd,
         send_ops_flags: ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0 as u64,
         ..Default::default()
     };
     let qp = unsafe { create_qp_ex(dev.ctx, &mut attr) };
     assert!(!qp.is_null());
-    assert!(attr.cap.max_inline_data >= 64, "granted caps are written back");
-    let mut unknown = ibv_qp_init_attr_ex { comp_mask: attr.comp_mask | 1 << 30, ..attr };
+    assert!(
+        attr.cap.max_inline_data >= 64,
+        "granted caps are written back"
+    );
+    let mut unknown = ibv_qp_init_attr_ex {
+        comp_mask: attr.comp_mask | 1 << 30,
+        ..attr
+    };
     assert!(unsafe { create_qp_ex(dev.ctx, &mut unknown) }.is_null());
     assert_eq!(errno(), libc::EOPNOTSUPP);
     unsafe {
@@ -481,7 +714,11 @@ fn cq_ex_polling_reads_every_field() {
     unsafe {
         let mut cattr = ibv_cq_init_attr_ex {
             cqe: 16,
-            wc_flags: (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0 | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_IMM.0 | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_QP_NUM.0 | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SRC_QP.0 | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SLID.0) as u64,
+            wc_flags: (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0
+                | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_IMM.0
+                | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_QP_NUM.0
+                | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SRC_QP.0
+                | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SLID.0) as u64,
             ..Default::default()
         };
         let cqx = create_cq_ex(dev.ctx, &mut cattr);
@@ -494,7 +731,11 @@ fn cq_ex_polling_reads_every_field() {
         connect(b, dev.lid, qp_num(a));
         let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
         let mut attr = ibv_poll_cq_attr::default();
-        assert_eq!((*cqx).start_poll.unwrap()(cqx, &mut attr), libc::ENOENT, "empty CQ");
+        assert_eq!(
+            (*cqx).start_poll.unwrap()(cqx, &mut attr),
+            libc::ENOENT,
+            "empty CQ"
+        );
         assert_eq!(post_one_recv(b, 31, &mut [buf.sge(0, 32)]), 0);
         let mut sge = [buf.sge(32, 12)];
         let mut wr = send_wr(1, &mut sge, SEND_IMM, SIGNALED);
@@ -508,15 +749,25 @@ fn cq_ex_polling_reads_every_field() {
         assert_eq!((*cqx).status, ibv_wc_status::IBV_WC_SUCCESS);
         assert_eq!((*cqx).read_opcode.unwrap()(cqx), ibv_wc_opcode::IBV_WC_RECV);
         assert_eq!((*cqx).read_byte_len.unwrap()(cqx), 12);
-        assert_eq!(u32::from_be((*cqx).read_imm_data.unwrap()(cqx)), 0x0102_0304);
+        assert_eq!(
+            u32::from_be((*cqx).read_imm_data.unwrap()(cqx)),
+            0x0102_0304
+        );
         assert_eq!((*cqx).read_qp_num.unwrap()(cqx), qp_num(b));
         assert_eq!((*cqx).read_src_qp.unwrap()(cqx), qp_num(a));
-        assert_eq!((*cqx).read_wc_flags.unwrap()(cqx), ibv_wc_flags::IBV_WC_WITH_IMM.0);
+        assert_eq!(
+            (*cqx).read_wc_flags.unwrap()(cqx),
+            ibv_wc_flags::IBV_WC_WITH_IMM.0
+        );
         assert_eq!((*cqx).read_slid.unwrap()(cqx), u32::from(dev.lid));
         assert_eq!((*cqx).next_poll.unwrap()(cqx), libc::ENOENT);
         (*cqx).end_poll.unwrap()(cqx);
         // A flag ugdr does not produce is refused at creation.
-        let mut ts = ibv_cq_init_attr_ex { cqe: 4, wc_flags: ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0 as u64, ..Default::default() };
+        let mut ts = ibv_cq_init_attr_ex {
+            cqe: 4,
+            wc_flags: ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0 as u64,
+            ..Default::default()
+        };
         assert!(create_cq_ex(dev.ctx, &mut ts).is_null());
         assert_eq!(errno(), libc::EOPNOTSUPP);
         poll_n(cq_a, 1);
@@ -548,7 +799,11 @@ fn device_port_gid_and_pkey_queries() {
         assert_eq!(ibv_query_port(dev.ctx, 2, &mut pa), libc::EINVAL);
         let mut gid = ibv_gid::default();
         assert_eq!(ibv_query_gid(dev.ctx, 1, 0, &mut gid), 0);
-        assert_ne!(u64::from_be_bytes(gid.raw[8..].try_into().unwrap()), 0, "GID[0] interface id is non-zero");
+        assert_ne!(
+            u64::from_be_bytes(gid.raw[8..].try_into().unwrap()),
+            0,
+            "GID[0] interface id is non-zero"
+        );
         assert_eq!(ibv_query_gid(dev.ctx, 1, 1, &mut gid), -1);
         let mut pkey = 0u16;
         assert_eq!(ibv_query_pkey(dev.ctx, 1, 0, &mut pkey), 0);
@@ -594,7 +849,10 @@ fn null_and_invalid_arguments_get_rdma_core_errors() {
         assert_eq!(ibv_destroy_cq(null_mut()), libc::EINVAL);
         assert!(ibv_create_qp(null_mut(), null_mut()).is_null());
         assert_eq!(ibv_modify_qp(null_mut(), null_mut(), 0), libc::EINVAL);
-        assert_eq!(ibv_query_qp(null_mut(), null_mut(), 0, null_mut()), libc::EINVAL);
+        assert_eq!(
+            ibv_query_qp(null_mut(), null_mut(), 0, null_mut()),
+            libc::EINVAL
+        );
         assert_eq!(ibv_destroy_qp(null_mut()), libc::EINVAL);
         assert_eq!(ibv_close_device(null_mut()), libc::EINVAL);
         assert!(ibv_create_comp_channel(null_mut()).is_null());
@@ -617,7 +875,13 @@ fn null_and_invalid_arguments_get_rdma_core_errors() {
         assert!(ibv_reg_mr(dev.pd, b.as_mut_ptr().cast(), 64, 1 << 15).is_null());
         assert_eq!(errno(), libc::EINVAL);
         // Optional-range bits (relaxed ordering) are accepted through reg_mr_iova2.
-        let mr = ibv_reg_mr_iova2(dev.pd, b.as_mut_ptr().cast(), 64, b.as_ptr() as u64, 0x100001);
+        let mr = ibv_reg_mr_iova2(
+            dev.pd,
+            b.as_mut_ptr().cast(),
+            64,
+            b.as_ptr() as u64,
+            0x100001,
+        );
         assert!(!mr.is_null());
         assert_ne!((*mr).lkey, 0);
         assert_eq!(ibv_dereg_mr(mr), 0);
@@ -628,7 +892,19 @@ fn null_and_invalid_arguments_get_rdma_core_errors() {
         assert_eq!(errno(), libc::EINVAL);
         // QP types ugdr does not carry yet, and QPs without CQs.
         let cq = dev.cq(4);
-        let mut attr = ibv_qp_init_attr { send_cq: cq, recv_cq: cq, cap: ibv_qp_cap { max_send_wr: 1, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 }, qp_type: ibv_qp_type::IBV_QPT_RAW_PACKET, ..Default::default() };
+        let mut attr = ibv_qp_init_attr {
+            send_cq: cq,
+            recv_cq: cq,
+            cap: ibv_qp_cap {
+                max_send_wr: 1,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ibv_qp_type::IBV_QPT_RAW_PACKET,
+            ..Default::default()
+        };
         assert!(ibv_create_qp(dev.pd, &mut attr).is_null());
         attr.qp_type = ibv_qp_type::IBV_QPT_RC;
         attr.send_cq = null_mut();

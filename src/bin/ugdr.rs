@@ -22,7 +22,10 @@ fn library_path() -> Result<PathBuf, String> {
             return Ok(candidate);
         }
     }
-    Err(format!("libugdr.so not found next to {} (set UGDR_LIBRARY)", exe.display()))
+    Err(format!(
+        "libugdr.so not found next to {} (set UGDR_LIBRARY)",
+        exe.display()
+    ))
 }
 
 fn run(args: &[String]) -> ExitCode {
@@ -45,7 +48,10 @@ fn run(args: &[String]) -> ExitCode {
         Ok(existing) if !existing.is_empty() => format!("{}:{existing}", lib.display()),
         _ => lib.display().to_string(),
     };
-    let err = Command::new(program).args(rest).env("LD_PRELOAD", preload).exec();
+    let err = Command::new(program)
+        .args(rest)
+        .env("LD_PRELOAD", preload)
+        .exec();
     eprintln!("ugdr run: cannot run {program}: {err}");
     ExitCode::from(127)
 }

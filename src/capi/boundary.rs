@@ -76,7 +76,11 @@ impl Fallback for u16 {
 /// `on_panic = expr` overrides the failure value (e.g. -1 for `ibv_poll_cq`).
 macro_rules! ffi_boundary {
     ($name:expr, $body:block) => {
-        $crate::capi::boundary::ffi_boundary!($name, on_panic = $crate::capi::boundary::Fallback::fail(::libc::EIO), $body)
+        $crate::capi::boundary::ffi_boundary!(
+            $name,
+            on_panic = $crate::capi::boundary::Fallback::fail(::libc::EIO),
+            $body
+        )
     };
     ($name:expr, on_panic = $fallback:expr, $body:block) => {{
         $crate::log::init();

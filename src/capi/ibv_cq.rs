@@ -1,13 +1,13 @@
 //! Completion channels and completion queues (`ibv_cq` and `ibv_cq_ex`).
 
-use super::boundary::{ffi_boundary, set_errno, status, Fallback};
-use super::layout::{owned_context, ChannelShell, ContextShell, CqShell, CHANNELS};
+use super::boundary::{Fallback, ffi_boundary, set_errno, status};
+use super::layout::{CHANNELS, ChannelShell, ContextShell, CqShell, owned_context};
 use super::{ops, passthrough};
 use crate::engine::Engine;
+use crate::fake_verbs::VerbsError;
 use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
 use crate::fake_verbs::device;
 use crate::fake_verbs::work::WorkCompletion;
-use crate::fake_verbs::VerbsError;
 use crate::sys::*;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_uint, c_void};
@@ -26,8 +26,15 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut 
         };
         match CompletionChannel::new(Arc::clone(&shell.inner)) {
             Ok(ch) => {
-                let ibv = ibv_comp_channel { context: ctx, fd: ch.events.fd(), refcnt: 0 };
-                let raw = ChannelShell::into_raw(Box::new(ChannelShell { ibv: UnsafeCell::new(ibv), inner: ch }));
+                let ibv = ibv_comp_channel {
+                    context: ctx,
+                    fd: ch.events.fd(),
+                    refcnt: 0,
+                };
+                let raw = ChannelShell::into_raw(Box::new(ChannelShell {
+                    ibv: UnsafeCell::new(ibv),
+                    inner: ch,
+                }));
                 CHANNELS.insert(raw as usize);
                 raw
             }
@@ -67,11 +74,18 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> 
     })
 }
 
-fn create_cq(ctx: *mut ibv_context, shell: &ContextShell, cqe: i64, cq_context: *mut c_void, channel: *mut ibv_comp_channel, comp_vector: i64) -> Result<*mut ibv_cq_ex, VerbsError> {
+fn create_cq(
+    ctx: *mut ibv_context,
+    shell: &ContextShell,
+    cqe: i64,
+    cq_context: *mut c_void,
+    channel: *mut ibv_comp_channel,
+    comp_vector: i64,
+) -> Result<*mut ibv_cq_ex, VerbsError> {
     if cqe < 1 || cqe > i64::from(device::MAX_CQE) {
         return Err(VerbsError::Invalid("cqe out of range"));
     }
-    if comp_vector < 0 || comp_vector >= 1 {
+    if !(0..1).contains(&comp_vector) {
         return Err(VerbsError::Invalid("comp_vector out of range"));
     }
     let channel_obj = if channel.is_null() {
@@ -84,25 +98,50 @@ fn create_cq(ctx: *mut ibv_context, shell: &ContextShell, cqe: i64, cq_context: 
         }
     };
     let cq = CompletionQueue::new(Arc::clone(&shell.inner), cqe as usize, channel_obj);
-    let mut ibv = ibv_cq_ex { context: ctx, channel, cq_context, cqe: cqe as c_int, ..Default::default() };
+    let mut ibv = ibv_cq_ex {
+        context: ctx,
+        channel,
+        cq_context,
+        cqe: cqe as c_int,
+        ..Default::default()
+    };
     ops::install_cq_ops(&mut ibv);
-    let raw = CqShell::into_raw(Box::new(CqShell { ibv: UnsafeCell::new(ibv), inner: Arc::clone(&cq), current: UnsafeCell::new(None) }));
+    let raw = CqShell::into_raw(Box::new(CqShell {
+        ibv: UnsafeCell::new(ibv),
+        inner: Arc::clone(&cq),
+        current: UnsafeCell::new(None),
+    }));
     cq.set_handle(raw as usize);
     Ok(raw)
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_create_cq(ctx: *mut ibv_context, cqe: c_int, cq_context: *mut c_void, channel: *mut ibv_comp_channel, comp_vector: c_int) -> *mut ibv_cq {
+pub unsafe extern "C" fn ibv_create_cq(
+    ctx: *mut ibv_context,
+    cqe: c_int,
+    cq_context: *mut c_void,
+    channel: *mut ibv_comp_channel,
+    comp_vector: c_int,
+) -> *mut ibv_cq {
     ffi_boundary!("ibv_create_cq", {
         // SAFETY: from_raw checks ownership before dereferencing.
         let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
             return match passthrough::ibv_create_cq() {
                 // SAFETY: not ours, so the real library's context.
-                Some(real) if !ctx.is_null() => unsafe { real(ctx, cqe, cq_context, channel, comp_vector) },
+                Some(real) if !ctx.is_null() => unsafe {
+                    real(ctx, cqe, cq_context, channel, comp_vector)
+                },
                 _ => <*mut ibv_cq>::fail(libc::EINVAL),
             };
         };
-        match create_cq(ctx, shell, cqe.into(), cq_context, channel, comp_vector.into()) {
+        match create_cq(
+            ctx,
+            shell,
+            cqe.into(),
+            cq_context,
+            channel,
+            comp_vector.into(),
+        ) {
             Ok(cq) => cq.cast(),
             Err(e) => <*mut ibv_cq>::fail(e.errno()),
         }
@@ -115,10 +154,14 @@ const SUPPORTED_WC_FLAGS: u64 = (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN
     | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SRC_QP.0
     | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SLID.0
     | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SL.0
-    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_DLID_PATH_BITS.0) as u64;
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_DLID_PATH_BITS.0)
+    as u64;
 
 /// `verbs_context.create_cq_ex` (the `ibv_create_cq_ex` inline).
-pub(crate) unsafe extern "C" fn create_cq_ex_op(ctx: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
+pub(crate) unsafe extern "C" fn create_cq_ex_op(
+    ctx: *mut ibv_context,
+    attr: *mut ibv_cq_init_attr_ex,
+) -> *mut ibv_cq_ex {
     ffi_boundary!("ibv_create_cq_ex", {
         // SAFETY: from_raw checks ownership before dereferencing.
         let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
@@ -133,10 +176,20 @@ pub(crate) unsafe extern "C" fn create_cq_ex_op(ctx: *mut ibv_context, attr: *mu
             return <*mut ibv_cq_ex>::fail(libc::EOPNOTSUPP);
         }
         if a.wc_flags & !SUPPORTED_WC_FLAGS != 0 {
-            tracing::debug!("ibv_create_cq_ex: wc_flags {:#x} not supported", a.wc_flags & !SUPPORTED_WC_FLAGS);
+            tracing::debug!(
+                "ibv_create_cq_ex: wc_flags {:#x} not supported",
+                a.wc_flags & !SUPPORTED_WC_FLAGS
+            );
             return <*mut ibv_cq_ex>::fail(libc::EOPNOTSUPP);
         }
-        match create_cq(ctx, shell, a.cqe.into(), a.cq_context, a.channel, a.comp_vector.into()) {
+        match create_cq(
+            ctx,
+            shell,
+            a.cqe.into(),
+            a.cq_context,
+            a.channel,
+            a.comp_vector.into(),
+        ) {
             Ok(cq) => cq,
             Err(e) => <*mut ibv_cq_ex>::fail(e.errno()),
         }
@@ -166,7 +219,7 @@ pub unsafe extern "C" fn ibv_resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int {
                 _ => c_int::fail(libc::EINVAL),
             };
         };
-        if cqe < 1 || cqe > device::MAX_CQE {
+        if !(1..=device::MAX_CQE).contains(&cqe) {
             return c_int::fail(libc::EINVAL);
         }
         match shell.inner.resize(cqe as usize) {
@@ -204,7 +257,11 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
 
 /// Returns 0, or -1 with errno set (EAGAIN on a non-blocking channel with no event).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_get_cq_event(ch: *mut ibv_comp_channel, cq_out: *mut *mut ibv_cq, cq_context_out: *mut *mut c_void) -> c_int {
+pub unsafe extern "C" fn ibv_get_cq_event(
+    ch: *mut ibv_comp_channel,
+    cq_out: *mut *mut ibv_cq,
+    cq_context_out: *mut *mut c_void,
+) -> c_int {
     ffi_boundary!("ibv_get_cq_event", on_panic = -1, {
         // SAFETY: checked against the registry first.
         let Some(shell) = (unsafe { our_channel(ch) }) else {
@@ -266,7 +323,9 @@ fn to_ibv_wc(w: &WorkCompletion) -> ibv_wc {
         opcode: ibv_wc_opcode(w.opcode as u32),
         vendor_err: w.vendor_err,
         byte_len: w.byte_len,
-        __bindgen_anon_1: ibv_wc__bindgen_ty_1 { imm_data: w.imm_data },
+        __bindgen_anon_1: ibv_wc__bindgen_ty_1 {
+            imm_data: w.imm_data,
+        },
         qp_num: w.qp_num,
         src_qp: w.src_qp,
         wc_flags: w.wc_flags,
@@ -287,10 +346,16 @@ fn poll_into(shell: &CqShell, max: usize, wc: *mut ibv_wc) -> usize {
 }
 
 /// `ibv_context_ops.poll_cq` (the `ibv_poll_cq` inline): count, or negative on error.
-pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num_entries: c_int, wc: *mut ibv_wc) -> c_int {
+pub(crate) unsafe extern "C" fn poll_cq(
+    cq: *mut ibv_cq,
+    num_entries: c_int,
+    wc: *mut ibv_wc,
+) -> c_int {
     ffi_boundary!("ibv_poll_cq", on_panic = -1, {
         // SAFETY: only reached through ugdr's ops table, so `cq` is a CqShell.
-        let Some(shell) = (unsafe { CqShell::from_raw(cq.cast()) }) else { return -1 };
+        let Some(shell) = (unsafe { CqShell::from_raw(cq.cast()) }) else {
+            return -1;
+        };
         if num_entries < 0 || (num_entries > 0 && wc.is_null()) {
             return -1;
         }
@@ -310,7 +375,9 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num_entries: c_int, wc:
 pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
     ffi_boundary!("ibv_req_notify_cq", {
         // SAFETY: only reached through ugdr's ops table, so `cq` is a CqShell.
-        let Some(shell) = (unsafe { CqShell::from_raw(cq.cast()) }) else { return c_int::fail(libc::EINVAL) };
+        let Some(shell) = (unsafe { CqShell::from_raw(cq.cast()) }) else {
+            return c_int::fail(libc::EINVAL);
+        };
         status(shell.inner.arm(solicited_only != 0))
     })
 }
@@ -372,11 +439,22 @@ unsafe extern "C" fn end_poll(cq: *mut ibv_cq_ex) {
 fn current(cq: *mut ibv_cq_ex) -> WorkCompletion {
     // SAFETY: installed only on ugdr's CQs; read by the polling thread between start/next and
     // end_poll. Reading with no current completion is an application error: zeros.
-    unsafe { (*cq_ex(cq).current.get()).unwrap_or_else(|| WorkCompletion::new(0, crate::fake_verbs::work::WcStatus::GeneralErr, crate::fake_verbs::work::WcOpcode::Send, 0)) }
+    unsafe {
+        (*cq_ex(cq).current.get()).unwrap_or_else(|| {
+            WorkCompletion::new(
+                0,
+                crate::fake_verbs::work::WcStatus::GeneralErr,
+                crate::fake_verbs::work::WcOpcode::Send,
+                0,
+            )
+        })
+    }
 }
 
 unsafe extern "C" fn read_opcode(cq: *mut ibv_cq_ex) -> ibv_wc_opcode {
-    ffi_boundary!("ibv_wc_read_opcode", on_panic = ibv_wc_opcode(0), { ibv_wc_opcode(current(cq).opcode as u32) })
+    ffi_boundary!("ibv_wc_read_opcode", on_panic = ibv_wc_opcode(0), {
+        ibv_wc_opcode(current(cq).opcode as u32)
+    })
 }
 unsafe extern "C" fn read_vendor_err(cq: *mut ibv_cq_ex) -> u32 {
     ffi_boundary!("ibv_wc_read_vendor_err", { current(cq).vendor_err })

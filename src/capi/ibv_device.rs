@@ -1,12 +1,12 @@
 //! Devices, contexts, ports, GIDs, P_Keys and asynchronous events.
 
-use super::boundary::{ffi_boundary, set_errno, Fallback};
+use super::boundary::{Fallback, ffi_boundary, set_errno};
 use super::layout::{ContextShell, DeviceShell};
 use super::{ops, passthrough};
-use crate::engine::{host_network, Engine};
+use crate::engine::{Engine, host_network};
+use crate::fake_verbs::VerbsError;
 use crate::fake_verbs::context::{DeviceContext, EVENT_CQ_ERR, EVENT_QP_FATAL};
 use crate::fake_verbs::device::{self, DeviceAttributes};
-use crate::fake_verbs::VerbsError;
 use crate::sys::*;
 use dashmap::DashMap;
 use std::cell::UnsafeCell;
@@ -19,11 +19,21 @@ static DEVICE: OnceLock<DeviceShell> = OnceLock::new();
 /// ugdr's one device, built once: the same pointer in every list (rdma_get_devices relies on it).
 fn device() -> &'static DeviceShell {
     DEVICE.get_or_init(|| {
-        let mut dev = ibv_device { node_type: ibv_node_type::IBV_NODE_CA, transport_type: ibv_transport_type::IBV_TRANSPORT_IB, ..Default::default() };
+        let mut dev = ibv_device {
+            node_type: ibv_node_type::IBV_NODE_CA,
+            transport_type: ibv_transport_type::IBV_TRANSPORT_IB,
+            ..Default::default()
+        };
         copy_str(&mut dev.name, device::DEVICE_NAME);
         copy_str(&mut dev.dev_name, device::DEVICE_DEV_NAME);
-        copy_str(&mut dev.dev_path, &format!("/sys/class/infiniband_verbs/{}", device::DEVICE_DEV_NAME));
-        copy_str(&mut dev.ibdev_path, &format!("/sys/class/infiniband/{}", device::DEVICE_NAME));
+        copy_str(
+            &mut dev.dev_path,
+            &format!("/sys/class/infiniband_verbs/{}", device::DEVICE_DEV_NAME),
+        );
+        copy_str(
+            &mut dev.ibdev_path,
+            &format!("/sys/class/infiniband/{}", device::DEVICE_NAME),
+        );
         DeviceShell::new(dev)
     })
 }
@@ -187,7 +197,10 @@ fn open_context(dev: *mut ibv_device) -> Result<*mut ibv_context, VerbsError> {
     vctx.context.cmd_fd = -1;
     vctx.context.async_fd = inner.async_events.fd();
     vctx.context.num_comp_vectors = 1;
-    let shell = Box::new(ContextShell { vctx: UnsafeCell::new(vctx), inner });
+    let shell = Box::new(ContextShell {
+        vctx: UnsafeCell::new(vctx),
+        inner,
+    });
     Ok(ContextShell::into_raw(shell))
 }
 
@@ -220,7 +233,9 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
     out.hw_ver = a.hw_ver;
     out.max_qp = a.max_qp;
     out.max_qp_wr = a.max_qp_wr;
-    out.device_cap_flags = (ibv_device_cap_flags::IBV_DEVICE_RC_RNR_NAK_GEN.0 | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0) as c_uint;
+    out.device_cap_flags = (ibv_device_cap_flags::IBV_DEVICE_RC_RNR_NAK_GEN.0
+        | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0)
+        as c_uint;
     out.max_sge = a.max_sge;
     out.max_sge_rd = a.max_sge_rd;
     out.max_cq = a.max_cq;
@@ -240,7 +255,10 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_query_device(ctx: *mut ibv_context, attr: *mut ibv_device_attr) -> c_int {
+pub unsafe extern "C" fn ibv_query_device(
+    ctx: *mut ibv_context,
+    attr: *mut ibv_device_attr,
+) -> c_int {
     ffi_boundary!("ibv_query_device", {
         if !ContextShell::is_ours(ctx) {
             return match passthrough::ibv_query_device() {
@@ -261,7 +279,12 @@ pub unsafe extern "C" fn ibv_query_device(ctx: *mut ibv_context, attr: *mut ibv_
 }
 
 /// `verbs_context.query_device_ex`: writes `attr_size` bytes of an `ibv_device_attr_ex`.
-pub(crate) unsafe extern "C" fn query_device_ex_op(ctx: *mut ibv_context, input: *const ibv_query_device_ex_input, attr: *mut ibv_device_attr_ex, attr_size: usize) -> c_int {
+pub(crate) unsafe extern "C" fn query_device_ex_op(
+    ctx: *mut ibv_context,
+    input: *const ibv_query_device_ex_input,
+    attr: *mut ibv_device_attr_ex,
+    attr_size: usize,
+) -> c_int {
     ffi_boundary!("ibv_query_device_ex", {
         if attr.is_null() || !ContextShell::is_ours(ctx) {
             return c_int::fail(libc::EINVAL);
@@ -290,7 +313,7 @@ fn port_attributes(engine: &Engine) -> ibv_port_attr {
         max_mtu: ibv_mtu::IBV_MTU_4096,
         active_mtu: ibv_mtu::IBV_MTU_4096,
         gid_tbl_len: device::GID_TABLE_LEN,
-        port_cap_flags: ibv_port_cap_flags::IBV_PORT_CM_SUP.0 as u32,
+        port_cap_flags: ibv_port_cap_flags::IBV_PORT_CM_SUP.0,
         max_msg_sz: device::MAX_MSG_SIZE,
         bad_pkey_cntr: 0,
         qkey_viol_cntr: 0,
@@ -328,14 +351,25 @@ fn query_port_into(ctx: *mut ibv_context, port: u8, attr: *mut u8, len: usize) -
 }
 
 /// `verbs_context.query_port` (what the `ibv_query_port` macro calls).
-pub(crate) unsafe extern "C" fn query_port_op(ctx: *mut ibv_context, port: u8, attr: *mut ibv_port_attr, len: usize) -> c_int {
-    ffi_boundary!("ibv_query_port", { query_port_into(ctx, port, attr.cast(), len) })
+pub(crate) unsafe extern "C" fn query_port_op(
+    ctx: *mut ibv_context,
+    port: u8,
+    attr: *mut ibv_port_attr,
+    len: usize,
+) -> c_int {
+    ffi_boundary!("ibv_query_port", {
+        query_port_into(ctx, port, attr.cast(), len)
+    })
 }
 
 /// The exported symbol: rdma-core's compat entry point, called with the 48-byte
 /// `_compat_ibv_port_attr` (the first 48 bytes of `ibv_port_attr`).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_query_port(ctx: *mut ibv_context, port: u8, attr: *mut ibv_port_attr) -> c_int {
+pub unsafe extern "C" fn ibv_query_port(
+    ctx: *mut ibv_context,
+    port: u8,
+    attr: *mut ibv_port_attr,
+) -> c_int {
     ffi_boundary!("ibv_query_port", {
         if !ContextShell::is_ours(ctx) {
             return match passthrough::ibv_query_port() {
@@ -344,7 +378,12 @@ pub unsafe extern "C" fn ibv_query_port(ctx: *mut ibv_context, port: u8, attr: *
                 _ => c_int::fail(libc::EINVAL),
             };
         }
-        query_port_into(ctx, port, attr.cast(), std::mem::offset_of!(ibv_port_attr, port_cap_flags2))
+        query_port_into(
+            ctx,
+            port,
+            attr.cast(),
+            std::mem::offset_of!(ibv_port_attr, port_cap_flags2),
+        )
     })
 }
 
@@ -357,7 +396,12 @@ fn our_gid(port: u32, index: i64) -> Result<[u8; 16], c_int> {
 
 /// Returns 0, or -1 with errno set (ibv_query_gid(3)).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_query_gid(ctx: *mut ibv_context, port: u8, index: c_int, gid: *mut ibv_gid) -> c_int {
+pub unsafe extern "C" fn ibv_query_gid(
+    ctx: *mut ibv_context,
+    port: u8,
+    index: c_int,
+    gid: *mut ibv_gid,
+) -> c_int {
     ffi_boundary!("ibv_query_gid", on_panic = -1, {
         if !ContextShell::is_ours(ctx) {
             return match passthrough::ibv_query_gid() {
@@ -385,7 +429,12 @@ pub unsafe extern "C" fn ibv_query_gid(ctx: *mut ibv_context, port: u8, index: c
 
 /// rdma-core's private `ibv_query_gid_type` (imported by ibv_devinfo): IB GIDs.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_query_gid_type(ctx: *mut ibv_context, port: u8, index: c_uint, gid_type: *mut u32) -> c_int {
+pub unsafe extern "C" fn ibv_query_gid_type(
+    ctx: *mut ibv_context,
+    port: u8,
+    index: c_uint,
+    gid_type: *mut u32,
+) -> c_int {
     ffi_boundary!("ibv_query_gid_type", on_panic = -1, {
         if !ContextShell::is_ours(ctx) {
             return match passthrough::ibv_query_gid_type() {
@@ -415,12 +464,21 @@ fn gid_entry(gid: [u8; 16]) -> ibv_gid_entry {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn _ibv_query_gid_ex(ctx: *mut ibv_context, port: u32, index: u32, entry: *mut ibv_gid_entry, flags: u32, entry_size: usize) -> c_int {
+pub unsafe extern "C" fn _ibv_query_gid_ex(
+    ctx: *mut ibv_context,
+    port: u32,
+    index: u32,
+    entry: *mut ibv_gid_entry,
+    flags: u32,
+    entry_size: usize,
+) -> c_int {
     ffi_boundary!("ibv_query_gid_ex", {
         if !ContextShell::is_ours(ctx) {
             return match passthrough::_ibv_query_gid_ex() {
                 // SAFETY: not ours, so the real library's context.
-                Some(real) if !ctx.is_null() => unsafe { real(ctx, port, index, entry, flags, entry_size) },
+                Some(real) if !ctx.is_null() => unsafe {
+                    real(ctx, port, index, entry, flags, entry_size)
+                },
                 _ => c_int::fail(libc::EINVAL),
             };
         }
@@ -440,12 +498,20 @@ pub unsafe extern "C" fn _ibv_query_gid_ex(ctx: *mut ibv_context, port: u32, ind
 
 /// Returns the number of entries written, or a negative errno.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn _ibv_query_gid_table(ctx: *mut ibv_context, entries: *mut ibv_gid_entry, max_entries: usize, flags: u32, entry_size: usize) -> isize {
+pub unsafe extern "C" fn _ibv_query_gid_table(
+    ctx: *mut ibv_context,
+    entries: *mut ibv_gid_entry,
+    max_entries: usize,
+    flags: u32,
+    entry_size: usize,
+) -> isize {
     ffi_boundary!("ibv_query_gid_table", on_panic = -(libc::EIO as isize), {
         if !ContextShell::is_ours(ctx) {
             return match passthrough::_ibv_query_gid_table() {
                 // SAFETY: not ours, so the real library's context.
-                Some(real) if !ctx.is_null() => unsafe { real(ctx, entries, max_entries, flags, entry_size) },
+                Some(real) if !ctx.is_null() => unsafe {
+                    real(ctx, entries, max_entries, flags, entry_size)
+                },
                 _ => -(libc::EINVAL as isize),
             };
         }
@@ -468,7 +534,12 @@ pub unsafe extern "C" fn _ibv_query_gid_table(ctx: *mut ibv_context, entries: *m
 
 /// Returns 0, or -1 with errno set (ibv_query_pkey(3)). The one P_Key is the default 0xffff.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_query_pkey(ctx: *mut ibv_context, port: u8, index: c_int, pkey: *mut u16) -> c_int {
+pub unsafe extern "C" fn ibv_query_pkey(
+    ctx: *mut ibv_context,
+    port: u8,
+    index: c_int,
+    pkey: *mut u16,
+) -> c_int {
     ffi_boundary!("ibv_query_pkey", on_panic = -1, {
         if !ContextShell::is_ours(ctx) {
             return match passthrough::ibv_query_pkey() {
@@ -508,7 +579,10 @@ pub unsafe extern "C" fn ibv_get_pkey_index(ctx: *mut ibv_context, port: u8, pke
 
 /// Blocks until an asynchronous event (unless `async_fd` is non-blocking); 0, or -1.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_get_async_event(ctx: *mut ibv_context, event: *mut ibv_async_event) -> c_int {
+pub unsafe extern "C" fn ibv_get_async_event(
+    ctx: *mut ibv_context,
+    event: *mut ibv_async_event,
+) -> c_int {
     ffi_boundary!("ibv_get_async_event", on_panic = -1, {
         // SAFETY: ContextShell::from_raw checks ownership first.
         let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
@@ -524,8 +598,10 @@ pub unsafe extern "C" fn ibv_get_async_event(ctx: *mut ibv_context, event: *mut 
         }
         match shell.inner.async_events.wait() {
             Ok(ev) => {
-                let mut out = ibv_async_event::default();
-                out.event_type = ibv_event_type(ev.event_type);
+                let mut out = ibv_async_event {
+                    event_type: ibv_event_type(ev.event_type),
+                    ..Default::default()
+                };
                 match ev.event_type {
                     EVENT_CQ_ERR => out.element.cq = ev.element as *mut ibv_cq,
                     EVENT_QP_FATAL => out.element.qp = ev.element as *mut ibv_qp,
@@ -557,7 +633,9 @@ pub unsafe extern "C" fn ibv_ack_async_event(event: *mut ibv_async_event) {
         let context = unsafe {
             match ev.event_type.0 {
                 EVENT_CQ_ERR => (!ev.element.cq.is_null()).then(|| (*ev.element.cq).context),
-                EVENT_QP_FATAL | 2 | 3 | 4 | 5 | 6 | 14 | 16 => (!ev.element.qp.is_null()).then(|| (*ev.element.qp).context),
+                EVENT_QP_FATAL | 2 | 3 | 4 | 5 | 6 | 14 | 16 => {
+                    (!ev.element.qp.is_null()).then(|| (*ev.element.qp).context)
+                }
                 _ => None,
             }
         };

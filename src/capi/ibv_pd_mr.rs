@@ -1,7 +1,7 @@
 //! Protection domains and memory regions.
 
-use super::boundary::{ffi_boundary, status, Fallback};
-use super::layout::{owned_context, ContextShell, MrShell, PdShell};
+use super::boundary::{Fallback, ffi_boundary, status};
+use super::layout::{ContextShell, MrShell, PdShell, owned_context};
 use super::passthrough;
 use crate::fake_verbs::mr::MemoryRegion;
 use crate::fake_verbs::pd::ProtectionDomain;
@@ -22,8 +22,14 @@ pub unsafe extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
             };
         };
         let pd = ProtectionDomain::new(shell.inner.clone());
-        let ibv = ibv_pd { context: ctx, handle: 0 };
-        PdShell::into_raw(Box::new(PdShell { ibv: UnsafeCell::new(ibv), inner: pd }))
+        let ibv = ibv_pd {
+            context: ctx,
+            handle: 0,
+        };
+        PdShell::into_raw(Box::new(PdShell {
+            ibv: UnsafeCell::new(ibv),
+            inner: pd,
+        }))
     })
 }
 
@@ -59,7 +65,14 @@ pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
     })
 }
 
-fn register(pd: *mut ibv_pd, shell: &PdShell, addr: *mut c_void, length: usize, iova: u64, access: u32) -> *mut ibv_mr {
+fn register(
+    pd: *mut ibv_pd,
+    shell: &PdShell,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: u32,
+) -> *mut ibv_mr {
     if addr.is_null() && length != 0 {
         return <*mut ibv_mr>::fail(libc::EINVAL);
     }
@@ -70,8 +83,19 @@ fn register(pd: *mut ibv_pd, shell: &PdShell, addr: *mut c_void, length: usize, 
         Ok(mr) => {
             // SAFETY: reading the PD's context field of our own PD.
             let context = unsafe { (*shell.as_raw()).context };
-            let ibv = ibv_mr { context, pd, addr, length, handle: 0, lkey: mr.lkey, rkey: mr.rkey };
-            MrShell::into_raw(Box::new(MrShell { ibv: UnsafeCell::new(ibv), inner: mr }))
+            let ibv = ibv_mr {
+                context,
+                pd,
+                addr,
+                length,
+                handle: 0,
+                lkey: mr.lkey,
+                rkey: mr.rkey,
+            };
+            MrShell::into_raw(Box::new(MrShell {
+                ibv: UnsafeCell::new(ibv),
+                inner: mr,
+            }))
         }
         Err(e) => {
             tracing::debug!("ibv_reg_mr: {e}");
@@ -81,7 +105,12 @@ fn register(pd: *mut ibv_pd, shell: &PdShell, addr: *mut c_void, length: usize, 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_reg_mr(pd: *mut ibv_pd, addr: *mut c_void, length: usize, access: c_int) -> *mut ibv_mr {
+pub unsafe extern "C" fn ibv_reg_mr(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> *mut ibv_mr {
     ffi_boundary!("ibv_reg_mr", {
         // SAFETY: caller passes a PD (or NULL).
         let Some(shell) = (unsafe { our_pd(pd) }) else {
@@ -96,7 +125,13 @@ pub unsafe extern "C" fn ibv_reg_mr(pd: *mut ibv_pd, addr: *mut c_void, length: 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_reg_mr_iova(pd: *mut ibv_pd, addr: *mut c_void, length: usize, iova: u64, access: c_int) -> *mut ibv_mr {
+pub unsafe extern "C" fn ibv_reg_mr_iova(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_int,
+) -> *mut ibv_mr {
     ffi_boundary!("ibv_reg_mr_iova", {
         // SAFETY: caller passes a PD (or NULL).
         let Some(shell) = (unsafe { our_pd(pd) }) else {
@@ -113,7 +148,13 @@ pub unsafe extern "C" fn ibv_reg_mr_iova(pd: *mut ibv_pd, addr: *mut c_void, len
 /// What the `ibv_reg_mr` macro calls when the access flags are not a compile-time constant
 /// without optional bits (perftest: IBV_ACCESS_RELAXED_ORDERING).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_reg_mr_iova2(pd: *mut ibv_pd, addr: *mut c_void, length: usize, iova: u64, access: u32) -> *mut ibv_mr {
+pub unsafe extern "C" fn ibv_reg_mr_iova2(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: u32,
+) -> *mut ibv_mr {
     ffi_boundary!("ibv_reg_mr_iova2", {
         // SAFETY: caller passes a PD (or NULL).
         let Some(shell) = (unsafe { our_pd(pd) }) else {

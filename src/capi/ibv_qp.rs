@@ -1,13 +1,15 @@
 //! Queue pairs: create/modify/query/destroy, the post paths, and the `ibv_wr_*` builders.
 
-use super::boundary::{ffi_boundary, status, Fallback};
-use super::layout::{owned_context, ContextShell, CqShell, PdShell, QpShell, WrBatch};
+use super::boundary::{Fallback, ffi_boundary, status};
+use super::layout::{ContextShell, CqShell, PdShell, QpShell, WrBatch, owned_context};
 use super::{ops, passthrough};
 use crate::engine::Engine;
-use crate::fake_verbs::qp::{AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps, QueuePair};
+use crate::fake_verbs::VerbsError;
+use crate::fake_verbs::qp::{
+    AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps, QueuePair,
+};
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
 use crate::fake_verbs::work::{RecvRequest, SendOpcode, SendRequest, Sge, SgeList};
-use crate::fake_verbs::VerbsError;
 use crate::sys::*;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_void};
@@ -20,8 +22,11 @@ const SEND_SOLICITED: u32 = ibv_send_flags::IBV_SEND_SOLICITED.0;
 const SEND_INLINE: u32 = ibv_send_flags::IBV_SEND_INLINE.0;
 
 /// The send opcodes ugdr's RC QPs carry, as `ibv_qp_create_send_ops_flags`.
-const SUPPORTED_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0 | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0) as u64;
-const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
+const SUPPORTED_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0)
+    as u64;
+const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
+    | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
 
 /// # Safety
 /// `cq` is NULL or a valid `ibv_cq`.
@@ -70,7 +75,9 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
     }
     let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
     if qp_type != QpType::Rc {
-        return Err(VerbsError::Unsupported("queue pair type (ugdr carries RC queue pairs)"));
+        return Err(VerbsError::Unsupported(
+            "queue pair type (ugdr carries RC queue pairs)",
+        ));
     }
     let caps = QpCaps::grant(QpCaps {
         max_send_wr: args.cap.max_send_wr,
@@ -81,7 +88,16 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
     })?;
     let engine = Engine::get()?;
     let qp_num = engine.allocate_qpn();
-    let qp = QueuePair::new(qp_num, qp_type, Arc::clone(&pd_shell.inner), Arc::clone(&send_cq.inner), Arc::clone(&recv_cq.inner), args.sq_sig_all, caps, engine.lid)?;
+    let qp = QueuePair::new(
+        qp_num,
+        qp_type,
+        Arc::clone(&pd_shell.inner),
+        Arc::clone(&send_cq.inner),
+        Arc::clone(&recv_cq.inner),
+        args.sq_sig_all,
+        caps,
+        engine.lid,
+    )?;
     // SAFETY: reading the context field of our own PD.
     let context = unsafe { (*pd_shell.as_raw()).context };
     let base = ibv_qp {
@@ -97,9 +113,16 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
         qp_type: ibv_qp_type(args.qp_type),
         ..Default::default()
     };
-    let mut ibv = ibv_qp_ex { qp_base: base, ..Default::default() };
+    let mut ibv = ibv_qp_ex {
+        qp_base: base,
+        ..Default::default()
+    };
     ops::install_qp_ops(&mut ibv);
-    let raw = QpShell::into_raw(Box::new(QpShell { ibv: UnsafeCell::new(ibv), inner: Arc::clone(&qp), batch: UnsafeCell::new(WrBatch::default()) }));
+    let raw = QpShell::into_raw(Box::new(QpShell {
+        ibv: UnsafeCell::new(ibv),
+        inner: Arc::clone(&qp),
+        batch: UnsafeCell::new(WrBatch::default()),
+    }));
     qp.set_handle(raw as usize);
     engine.register_qp(qp);
     let granted = ibv_qp_cap {
@@ -114,7 +137,10 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
 
 /// Creates an RC QP; writes the granted capabilities back into `attr->cap` (as rdma-core).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> *mut ibv_qp {
+pub unsafe extern "C" fn ibv_create_qp(
+    pd: *mut ibv_pd,
+    attr: *mut ibv_qp_init_attr,
+) -> *mut ibv_qp {
     ffi_boundary!("ibv_create_qp", {
         // SAFETY: a valid ibv_pd (or NULL) has a readable context field.
         let ours = !pd.is_null() && unsafe { owned_context((*pd).context) }.is_some();
@@ -130,7 +156,16 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, attr: *mut ibv_qp_init_a
         }
         // SAFETY: the caller's attribute struct, checked non-NULL.
         let a = unsafe { &mut *attr };
-        let args = CreateQp { pd, qp_context: a.qp_context, send_cq: a.send_cq, recv_cq: a.recv_cq, srq: a.srq, cap: a.cap, qp_type: a.qp_type.0, sq_sig_all: a.sq_sig_all != 0 };
+        let args = CreateQp {
+            pd,
+            qp_context: a.qp_context,
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: a.srq,
+            cap: a.cap,
+            qp_type: a.qp_type.0,
+            sq_sig_all: a.sq_sig_all != 0,
+        };
         match create_qp(&args) {
             Ok((qp, cap)) => {
                 a.cap = cap;
@@ -145,7 +180,10 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, attr: *mut ibv_qp_init_a
 }
 
 /// `verbs_context.create_qp_ex` (the `ibv_create_qp_ex` inline, for masks beyond PD).
-pub(crate) unsafe extern "C" fn create_qp_ex_op(ctx: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> *mut ibv_qp {
+pub(crate) unsafe extern "C" fn create_qp_ex_op(
+    ctx: *mut ibv_context,
+    attr: *mut ibv_qp_init_attr_ex,
+) -> *mut ibv_qp {
     ffi_boundary!("ibv_create_qp_ex", {
         if !ContextShell::is_ours(ctx) || attr.is_null() {
             return <*mut ibv_qp>::fail(libc::EINVAL);
@@ -158,15 +196,29 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(ctx: *mut ibv_context, attr: *mu
         if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 == 0 || a.pd.is_null() {
             return <*mut ibv_qp>::fail(libc::EINVAL);
         }
-        if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0 != 0 && a.send_ops_flags & !SUPPORTED_SEND_OPS != 0 {
-            tracing::debug!("ibv_create_qp_ex: send_ops_flags {:#x} not supported", a.send_ops_flags & !SUPPORTED_SEND_OPS);
+        if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0 != 0
+            && a.send_ops_flags & !SUPPORTED_SEND_OPS != 0
+        {
+            tracing::debug!(
+                "ibv_create_qp_ex: send_ops_flags {:#x} not supported",
+                a.send_ops_flags & !SUPPORTED_SEND_OPS
+            );
             return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
         }
         // SAFETY: a valid ibv_pd has a readable context field.
         if unsafe { (*a.pd).context } != ctx {
             return <*mut ibv_qp>::fail(libc::EINVAL);
         }
-        let args = CreateQp { pd: a.pd, qp_context: a.qp_context, send_cq: a.send_cq, recv_cq: a.recv_cq, srq: a.srq, cap: a.cap, qp_type: a.qp_type.0, sq_sig_all: a.sq_sig_all != 0 };
+        let args = CreateQp {
+            pd: a.pd,
+            qp_context: a.qp_context,
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: a.srq,
+            cap: a.cap,
+            qp_type: a.qp_type.0,
+            sq_sig_all: a.sq_sig_all != 0,
+        };
         match create_qp(&args) {
             Ok((qp, cap)) => {
                 a.cap = cap;
@@ -213,7 +265,13 @@ fn av_from(a: &ibv_ah_attr) -> AddressVector {
 
 fn av_to(a: &AddressVector) -> ibv_ah_attr {
     ibv_ah_attr {
-        grh: ibv_global_route { dgid: ibv_gid { raw: a.grh.dgid }, flow_label: a.grh.flow_label, sgid_index: a.grh.sgid_index, hop_limit: a.grh.hop_limit, traffic_class: a.grh.traffic_class },
+        grh: ibv_global_route {
+            dgid: ibv_gid { raw: a.grh.dgid },
+            flow_label: a.grh.flow_label,
+            sgid_index: a.grh.sgid_index,
+            hop_limit: a.grh.hop_limit,
+            traffic_class: a.grh.traffic_class,
+        },
         dlid: a.dlid,
         sl: a.sl,
         src_path_bits: a.src_path_bits,
@@ -226,8 +284,16 @@ fn av_to(a: &AddressVector) -> ibv_ah_attr {
 /// Converts `ibv_qp_attr` + mask; enum values the application wrote are checked, not trusted.
 fn modify_request(a: &ibv_qp_attr, mask: c_int) -> Result<ModifyRequest, VerbsError> {
     let mask = AttrMask(mask as u32);
-    let state = if mask.contains(AttrMask::STATE) { Some(QpState::from_raw(a.qp_state.0).ok_or(VerbsError::Invalid("qp_state"))?) } else { None };
-    let claimed_cur = if mask.contains(AttrMask::CUR_STATE) { Some(QpState::from_raw(a.cur_qp_state.0).ok_or(VerbsError::Invalid("cur_qp_state"))?) } else { None };
+    let state = if mask.contains(AttrMask::STATE) {
+        Some(QpState::from_raw(a.qp_state.0).ok_or(VerbsError::Invalid("qp_state"))?)
+    } else {
+        None
+    };
+    let claimed_cur = if mask.contains(AttrMask::CUR_STATE) {
+        Some(QpState::from_raw(a.cur_qp_state.0).ok_or(VerbsError::Invalid("cur_qp_state"))?)
+    } else {
+        None
+    };
     let attrs = QpAttributes {
         qkey: a.qkey,
         rq_psn: a.rq_psn & 0xff_ffff,
@@ -251,11 +317,20 @@ fn modify_request(a: &ibv_qp_attr, mask: c_int) -> Result<ModifyRequest, VerbsEr
         max_dest_rd_atomic: a.max_dest_rd_atomic,
         en_sqd_async_notify: a.en_sqd_async_notify,
     };
-    Ok(ModifyRequest { mask, state, claimed_cur, attrs })
+    Ok(ModifyRequest {
+        mask,
+        state,
+        claimed_cur,
+        attrs,
+    })
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int {
+pub unsafe extern "C" fn ibv_modify_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    mask: c_int,
+) -> c_int {
     ffi_boundary!("ibv_modify_qp", {
         // SAFETY: caller passes a QP (or NULL).
         let Some(shell) = (unsafe { our_qp(qp) }) else {
@@ -279,13 +354,20 @@ pub unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, 
         };
         let qp_obj = &shell.inner;
         // Resolving may ask another host: do it before taking the worker lock.
-        let to_rtr = req.state == Some(QpState::Rtr) && qp_obj.state() == QpState::Init && req.mask.contains(AttrMask::AV);
+        let to_rtr = req.state == Some(QpState::Rtr)
+            && qp_obj.state() == QpState::Init
+            && req.mask.contains(AttrMask::AV);
         let remote = if to_rtr {
             let av = &req.attrs.ah;
             match engine.resolve(av.dlid, av.is_global.then_some(&av.grh.dgid)) {
                 Ok(addr) => Some(addr),
                 Err(e) => {
-                    tracing::warn!("qp {:#x}: lid {:#06x} qpn {:#x}: {e}", qp_obj.qp_num, av.dlid, req.attrs.dest_qp_num);
+                    tracing::warn!(
+                        "qp {:#x}: lid {:#06x} qpn {:#x}: {e}",
+                        qp_obj.qp_num,
+                        av.dlid,
+                        req.attrs.dest_qp_num
+                    );
                     None
                 }
             }
@@ -312,7 +394,12 @@ pub unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_query_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int, init_attr: *mut ibv_qp_init_attr) -> c_int {
+pub unsafe extern "C" fn ibv_query_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    mask: c_int,
+    init_attr: *mut ibv_qp_init_attr,
+) -> c_int {
     ffi_boundary!("ibv_query_qp", {
         // SAFETY: caller passes a QP (or NULL).
         let Some(shell) = (unsafe { our_qp(qp) }) else {
@@ -327,7 +414,13 @@ pub unsafe extern "C" fn ibv_query_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, m
         }
         let q = &shell.inner;
         let (state, a) = q.attributes();
-        let cap = ibv_qp_cap { max_send_wr: q.caps.max_send_wr, max_recv_wr: q.caps.max_recv_wr, max_send_sge: q.caps.max_send_sge, max_recv_sge: q.caps.max_recv_sge, max_inline_data: q.caps.max_inline_data };
+        let cap = ibv_qp_cap {
+            max_send_wr: q.caps.max_send_wr,
+            max_recv_wr: q.caps.max_recv_wr,
+            max_send_sge: q.caps.max_send_sge,
+            max_recv_sge: q.caps.max_recv_sge,
+            max_inline_data: q.caps.max_inline_data,
+        };
         let out = ibv_qp_attr {
             qp_state: ibv_qp_state(state.to_raw()),
             cur_qp_state: ibv_qp_state(state.to_raw()),
@@ -361,7 +454,15 @@ pub unsafe extern "C" fn ibv_query_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, m
         unsafe { (*shell.as_raw()).qp_base.state = ibv_qp_state(state.to_raw()) };
         // SAFETY: reading our own QP's public fields.
         let base = unsafe { &(*shell.as_raw()).qp_base };
-        let init = ibv_qp_init_attr { qp_context: base.qp_context, send_cq: base.send_cq, recv_cq: base.recv_cq, srq: base.srq, cap, qp_type: base.qp_type, sq_sig_all: c_int::from(q.sq_sig_all) };
+        let init = ibv_qp_init_attr {
+            qp_context: base.qp_context,
+            send_cq: base.send_cq,
+            recv_cq: base.recv_cq,
+            srq: base.srq,
+            cap,
+            qp_type: base.qp_type,
+            sq_sig_all: c_int::from(q.sq_sig_all),
+        };
         // SAFETY: the caller's out-parameters, checked non-NULL.
         unsafe {
             attr.write(out);
@@ -405,7 +506,11 @@ unsafe fn read_sges(sg_list: *const ibv_sge, num_sge: c_int) -> Result<SgeList, 
     for i in 0..num_sge as usize {
         // SAFETY: within the caller's array.
         let s = unsafe { &*sg_list.add(i) };
-        out.push(Sge { addr: s.addr, length: s.length, lkey: s.lkey });
+        out.push(Sge {
+            addr: s.addr,
+            length: s.length,
+            lkey: s.lkey,
+        });
     }
     Ok(out)
 }
@@ -416,7 +521,9 @@ fn inline_bytes(sges: &[Sge]) -> Vec<u8> {
     for s in sges {
         if s.length > 0 {
             // SAFETY: the application's inline buffer, valid during the post call.
-            out.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
+            out.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+            });
         }
     }
     out
@@ -442,8 +549,20 @@ unsafe fn send_request(wr: *const ibv_send_wr, max_inline: u32) -> Result<SendRe
     // SAFETY: the unions are plain integers; reading the member for the opcode.
     let (imm_data, remote_addr, rkey, compare_add, swap) = unsafe {
         match opcode {
-            SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd => (0, w.wr.atomic.remote_addr, w.wr.atomic.rkey, w.wr.atomic.compare_add, w.wr.atomic.swap),
-            _ => (w.__bindgen_anon_1.imm_data, w.wr.rdma.remote_addr, w.wr.rdma.rkey, 0, 0),
+            SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd => (
+                0,
+                w.wr.atomic.remote_addr,
+                w.wr.atomic.rkey,
+                w.wr.atomic.compare_add,
+                w.wr.atomic.swap,
+            ),
+            _ => (
+                w.__bindgen_anon_1.imm_data,
+                w.wr.rdma.remote_addr,
+                w.wr.rdma.rkey,
+                0,
+                0,
+            ),
         }
     };
     Ok(SendRequest {
@@ -464,17 +583,26 @@ unsafe fn send_request(wr: *const ibv_send_wr, max_inline: u32) -> Result<SendRe
 
 /// `ibv_context_ops.post_send`: posts the list in order; stops at the first WR that cannot
 /// be posted, sets `*bad_wr` to it and returns its errno (earlier WRs stay posted).
-pub(crate) unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad_wr: *mut *mut ibv_send_wr) -> c_int {
+pub(crate) unsafe extern "C" fn post_send(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_send_wr,
+    bad_wr: *mut *mut ibv_send_wr,
+) -> c_int {
     ffi_boundary!("ibv_post_send", {
         // SAFETY: only reached through ugdr's ops table, so `qp` is a QpShell.
-        let Some(shell) = (unsafe { QpShell::from_raw(qp.cast()) }) else { return libc::EINVAL };
-        let Some(engine) = Engine::running() else { return libc::EINVAL };
+        let Some(shell) = (unsafe { QpShell::from_raw(qp.cast()) }) else {
+            return libc::EINVAL;
+        };
+        let Some(engine) = Engine::running() else {
+            return libc::EINVAL;
+        };
         let qp_obj = &shell.inner;
         let locked = engine.worker.lock();
         let mut cur = wr;
         while !cur.is_null() {
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
-            let result = unsafe { send_request(cur, qp_obj.caps.max_inline_data) }.and_then(|req| qp_obj.post_send(&locked, req));
+            let result = unsafe { send_request(cur, qp_obj.caps.max_inline_data) }
+                .and_then(|req| qp_obj.post_send(&locked, req));
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
                 if !bad_wr.is_null() {
@@ -491,11 +619,19 @@ pub(crate) unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr,
 }
 
 /// `ibv_context_ops.post_recv`, with the same list semantics as `post_send`.
-pub(crate) unsafe extern "C" fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr, bad_wr: *mut *mut ibv_recv_wr) -> c_int {
+pub(crate) unsafe extern "C" fn post_recv(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
     ffi_boundary!("ibv_post_recv", {
         // SAFETY: only reached through ugdr's ops table, so `qp` is a QpShell.
-        let Some(shell) = (unsafe { QpShell::from_raw(qp.cast()) }) else { return libc::EINVAL };
-        let Some(engine) = Engine::running() else { return libc::EINVAL };
+        let Some(shell) = (unsafe { QpShell::from_raw(qp.cast()) }) else {
+            return libc::EINVAL;
+        };
+        let Some(engine) = Engine::running() else {
+            return libc::EINVAL;
+        };
         let qp_obj = &shell.inner;
         let locked = engine.worker.lock();
         let mut cur = wr;
@@ -503,7 +639,15 @@ pub(crate) unsafe extern "C" fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr,
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
             let w = unsafe { &*cur };
             // SAFETY: sg_list/num_sge of the same WR.
-            let result = unsafe { read_sges(w.sg_list, w.num_sge) }.and_then(|sges| qp_obj.post_recv(&locked, RecvRequest { wr_id: w.wr_id, sges }));
+            let result = unsafe { read_sges(w.sg_list, w.num_sge) }.and_then(|sges| {
+                qp_obj.post_recv(
+                    &locked,
+                    RecvRequest {
+                        wr_id: w.wr_id,
+                        sges,
+                    },
+                )
+            });
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: post_recv: {e}", qp_obj.qp_num);
                 if !bad_wr.is_null() {
@@ -629,7 +773,11 @@ unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, l
     })
 }
 
-unsafe extern "C" fn wr_set_inline_data_list(qp: *mut ibv_qp_ex, num_buf: usize, buf_list: *const ibv_data_buf) {
+unsafe extern "C" fn wr_set_inline_data_list(
+    qp: *mut ibv_qp_ex,
+    num_buf: usize,
+    buf_list: *const ibv_data_buf,
+) {
     ffi_boundary!("ibv_wr_set_inline_data_list", {
         // SAFETY: see `batch`.
         let (shell, b) = unsafe { batch(qp) };
@@ -643,7 +791,9 @@ unsafe extern "C" fn wr_set_inline_data_list(qp: *mut ibv_qp_ex, num_buf: usize,
             let buf = unsafe { &*buf_list.add(i) };
             if buf.length > 0 {
                 // SAFETY: as above.
-                data.extend_from_slice(unsafe { std::slice::from_raw_parts(buf.addr as *const u8, buf.length) });
+                data.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(buf.addr as *const u8, buf.length)
+                });
             }
         }
         if data.len() > shell.inner.caps.max_inline_data as usize {
@@ -662,7 +812,9 @@ unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
         if let Some(e) = b.error.take() {
             return e;
         }
-        let Some(engine) = Engine::running() else { return libc::EINVAL };
+        let Some(engine) = Engine::running() else {
+            return libc::EINVAL;
+        };
         let locked = engine.worker.lock();
         for req in requests {
             if let Err(e) = shell.inner.post_send(&locked, req) {

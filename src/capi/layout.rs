@@ -28,7 +28,10 @@ unsafe impl Sync for DeviceShell {}
 
 impl DeviceShell {
     pub fn new(ibv: ibv_device) -> DeviceShell {
-        DeviceShell { ibv: UnsafeCell::new(ibv), _private_tail: [0; 64] }
+        DeviceShell {
+            ibv: UnsafeCell::new(ibv),
+            _private_tail: [0; 64],
+        }
     }
 
     pub fn as_raw(&self) -> *mut ibv_device {
@@ -165,7 +168,9 @@ pub(crate) static CHANNELS: LazyLock<DashSet<usize>> = LazyLock::new(DashSet::ne
 ///
 /// # Safety
 /// `context_field` is the `context` field read from a valid rdma-core object (or NULL).
-pub(crate) unsafe fn owned_context<'a>(context_field: *mut ibv_context) -> Option<&'a ContextShell> {
+pub(crate) unsafe fn owned_context<'a>(
+    context_field: *mut ibv_context,
+) -> Option<&'a ContextShell> {
     // SAFETY: forwarded contract.
     unsafe { ContextShell::from_raw(context_field) }
 }

@@ -48,26 +48,35 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.query_device_ex = Some(device_exports::query_device_ex_op);
     vctx.create_cq_ex = Some(cq_exports::create_cq_ex_op);
     vctx.create_qp_ex = Some(qp_exports::create_qp_ex_op);
-    vctx.advise_mr = unsupported!(fn(*mut ibv_pd, ib_uverbs_advise_mr_advice, u32, *mut ibv_sge, u32) -> c_int);
+    vctx.advise_mr =
+        unsupported!(fn(*mut ibv_pd, ib_uverbs_advise_mr_advice, u32, *mut ibv_sge, u32) -> c_int);
     vctx.alloc_null_mr = unsupported!(fn(*mut ibv_pd) -> *mut ibv_mr);
     vctx.read_counters = unsupported!(fn(*mut ibv_counters, *mut u64, u32, u32) -> c_int);
-    vctx.attach_counters_point_flow = unsupported!(fn(*mut ibv_counters, *mut ibv_counter_attach_attr, *mut ibv_flow) -> c_int);
-    vctx.create_counters = unsupported!(fn(*mut ibv_context, *mut ibv_counters_init_attr) -> *mut ibv_counters);
+    vctx.attach_counters_point_flow =
+        unsupported!(fn(*mut ibv_counters, *mut ibv_counter_attach_attr, *mut ibv_flow) -> c_int);
+    vctx.create_counters =
+        unsupported!(fn(*mut ibv_context, *mut ibv_counters_init_attr) -> *mut ibv_counters);
     vctx.destroy_counters = unsupported!(fn(*mut ibv_counters) -> c_int);
-    vctx.reg_dm_mr = unsupported!(fn(*mut ibv_pd, *mut ibv_dm, u64, usize, std::os::raw::c_uint) -> *mut ibv_mr);
+    vctx.reg_dm_mr =
+        unsupported!(fn(*mut ibv_pd, *mut ibv_dm, u64, usize, std::os::raw::c_uint) -> *mut ibv_mr);
     vctx.alloc_dm = unsupported!(fn(*mut ibv_context, *mut ibv_alloc_dm_attr) -> *mut ibv_dm);
     vctx.free_dm = unsupported!(fn(*mut ibv_dm) -> c_int);
-    vctx.modify_flow_action_esp = unsupported!(fn(*mut ibv_flow_action, *mut ibv_flow_action_esp_attr) -> c_int);
+    vctx.modify_flow_action_esp =
+        unsupported!(fn(*mut ibv_flow_action, *mut ibv_flow_action_esp_attr) -> c_int);
     vctx.destroy_flow_action = unsupported!(fn(*mut ibv_flow_action) -> c_int);
-    vctx.create_flow_action_esp = unsupported!(fn(*mut ibv_context, *mut ibv_flow_action_esp_attr) -> *mut ibv_flow_action);
+    vctx.create_flow_action_esp =
+        unsupported!(fn(*mut ibv_context, *mut ibv_flow_action_esp_attr) -> *mut ibv_flow_action);
     vctx.modify_qp_rate_limit = unsupported!(fn(*mut ibv_qp, *mut ibv_qp_rate_limit_attr) -> c_int);
-    vctx.alloc_parent_domain = unsupported!(fn(*mut ibv_context, *mut ibv_parent_domain_init_attr) -> *mut ibv_pd);
+    vctx.alloc_parent_domain =
+        unsupported!(fn(*mut ibv_context, *mut ibv_parent_domain_init_attr) -> *mut ibv_pd);
     vctx.dealloc_td = unsupported!(fn(*mut ibv_td) -> c_int);
     vctx.alloc_td = unsupported!(fn(*mut ibv_context, *mut ibv_td_init_attr) -> *mut ibv_td);
     vctx.modify_cq = unsupported!(fn(*mut ibv_cq, *mut ibv_modify_cq_attr) -> c_int);
     vctx.post_srq_ops = Some(post_srq_ops_unsupported);
     vctx.destroy_rwq_ind_table = unsupported!(fn(*mut ibv_rwq_ind_table) -> c_int);
-    vctx.create_rwq_ind_table = unsupported!(fn(*mut ibv_context, *mut ibv_rwq_ind_table_init_attr) -> *mut ibv_rwq_ind_table);
+    vctx.create_rwq_ind_table = unsupported!(
+        fn(*mut ibv_context, *mut ibv_rwq_ind_table_init_attr) -> *mut ibv_rwq_ind_table
+    );
     vctx.destroy_wq = unsupported!(fn(*mut ibv_wq) -> c_int);
     vctx.modify_wq = unsupported!(fn(*mut ibv_wq, *mut ibv_wq_attr) -> c_int);
     vctx.create_wq = unsupported!(fn(*mut ibv_context, *mut ibv_wq_init_attr) -> *mut ibv_wq);
@@ -78,7 +87,8 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.ABI_placeholder2 = Some(abi_placeholder);
     vctx.open_qp = unsupported!(fn(*mut ibv_context, *mut ibv_qp_open_attr) -> *mut ibv_qp);
     vctx.get_srq_num = unsupported!(fn(*mut ibv_srq, *mut u32) -> c_int);
-    vctx.create_srq_ex = unsupported!(fn(*mut ibv_context, *mut ibv_srq_init_attr_ex) -> *mut ibv_srq);
+    vctx.create_srq_ex =
+        unsupported!(fn(*mut ibv_context, *mut ibv_srq_init_attr_ex) -> *mut ibv_srq);
     vctx.open_xrcd = unsupported!(fn(*mut ibv_context, *mut ibv_xrcd_init_attr) -> *mut ibv_xrcd);
     vctx.close_xrcd = unsupported!(fn(*mut ibv_xrcd) -> c_int);
 }
@@ -87,7 +97,11 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
 /// ops there for binaries built against libibverbs 1.1.8); a harmless target all the same.
 unsafe extern "C" fn abi_placeholder() {}
 
-unsafe extern "C" fn post_srq_recv_unsupported(_: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
+unsafe extern "C" fn post_srq_recv_unsupported(
+    _: *mut ibv_srq,
+    wr: *mut ibv_recv_wr,
+    bad: *mut *mut ibv_recv_wr,
+) -> c_int {
     if !bad.is_null() {
         // SAFETY: `bad` is the caller's out-parameter.
         unsafe { *bad = wr };
@@ -95,7 +109,11 @@ unsafe extern "C" fn post_srq_recv_unsupported(_: *mut ibv_srq, wr: *mut ibv_rec
     EOPNOTSUPP
 }
 
-unsafe extern "C" fn post_srq_ops_unsupported(_: *mut ibv_srq, op: *mut ibv_ops_wr, bad: *mut *mut ibv_ops_wr) -> c_int {
+unsafe extern "C" fn post_srq_ops_unsupported(
+    _: *mut ibv_srq,
+    op: *mut ibv_ops_wr,
+    bad: *mut *mut ibv_ops_wr,
+) -> c_int {
     if !bad.is_null() {
         // SAFETY: `bad` is the caller's out-parameter.
         unsafe { *bad = op };
@@ -179,7 +197,10 @@ mod tests {
         install_context_ops(&mut vctx);
         assert!(all_context_ops_filled(&vctx));
         assert_eq!(vctx.sz, 648);
-        assert_eq!(vctx.context.abi_compat, crate::sys::verbs::VERBS_ABI_IS_EXTENDED);
+        assert_eq!(
+            vctx.context.abi_compat,
+            crate::sys::verbs::VERBS_ABI_IS_EXTENDED
+        );
     }
 
     #[test]
@@ -187,22 +208,50 @@ mod tests {
         let mut cq = ibv_cq_ex::default();
         install_cq_ops(&mut cq);
         let cq_slots = [
-            cq.start_poll.is_some(), cq.next_poll.is_some(), cq.end_poll.is_some(), cq.read_opcode.is_some(),
-            cq.read_vendor_err.is_some(), cq.read_byte_len.is_some(), cq.read_imm_data.is_some(), cq.read_qp_num.is_some(),
-            cq.read_src_qp.is_some(), cq.read_wc_flags.is_some(), cq.read_slid.is_some(), cq.read_sl.is_some(),
-            cq.read_dlid_path_bits.is_some(), cq.read_completion_ts.is_some(), cq.read_cvlan.is_some(),
-            cq.read_flow_tag.is_some(), cq.read_tm_info.is_some(), cq.read_completion_wallclock_ns.is_some(),
+            cq.start_poll.is_some(),
+            cq.next_poll.is_some(),
+            cq.end_poll.is_some(),
+            cq.read_opcode.is_some(),
+            cq.read_vendor_err.is_some(),
+            cq.read_byte_len.is_some(),
+            cq.read_imm_data.is_some(),
+            cq.read_qp_num.is_some(),
+            cq.read_src_qp.is_some(),
+            cq.read_wc_flags.is_some(),
+            cq.read_slid.is_some(),
+            cq.read_sl.is_some(),
+            cq.read_dlid_path_bits.is_some(),
+            cq.read_completion_ts.is_some(),
+            cq.read_cvlan.is_some(),
+            cq.read_flow_tag.is_some(),
+            cq.read_tm_info.is_some(),
+            cq.read_completion_wallclock_ns.is_some(),
         ];
         assert!(cq_slots.iter().all(|x| *x));
         let mut qp = ibv_qp_ex::default();
         install_qp_ops(&mut qp);
         let qp_slots = [
-            qp.wr_atomic_cmp_swp.is_some(), qp.wr_atomic_fetch_add.is_some(), qp.wr_bind_mw.is_some(), qp.wr_local_inv.is_some(),
-            qp.wr_rdma_read.is_some(), qp.wr_rdma_write.is_some(), qp.wr_rdma_write_imm.is_some(), qp.wr_send.is_some(),
-            qp.wr_send_imm.is_some(), qp.wr_send_inv.is_some(), qp.wr_send_tso.is_some(), qp.wr_set_ud_addr.is_some(),
-            qp.wr_set_xrc_srqn.is_some(), qp.wr_set_inline_data.is_some(), qp.wr_set_inline_data_list.is_some(),
-            qp.wr_set_sge.is_some(), qp.wr_set_sge_list.is_some(), qp.wr_start.is_some(), qp.wr_complete.is_some(),
-            qp.wr_abort.is_some(), qp.wr_atomic_write.is_some(),
+            qp.wr_atomic_cmp_swp.is_some(),
+            qp.wr_atomic_fetch_add.is_some(),
+            qp.wr_bind_mw.is_some(),
+            qp.wr_local_inv.is_some(),
+            qp.wr_rdma_read.is_some(),
+            qp.wr_rdma_write.is_some(),
+            qp.wr_rdma_write_imm.is_some(),
+            qp.wr_send.is_some(),
+            qp.wr_send_imm.is_some(),
+            qp.wr_send_inv.is_some(),
+            qp.wr_send_tso.is_some(),
+            qp.wr_set_ud_addr.is_some(),
+            qp.wr_set_xrc_srqn.is_some(),
+            qp.wr_set_inline_data.is_some(),
+            qp.wr_set_inline_data_list.is_some(),
+            qp.wr_set_sge.is_some(),
+            qp.wr_set_sge_list.is_some(),
+            qp.wr_start.is_some(),
+            qp.wr_complete.is_some(),
+            qp.wr_abort.is_some(),
+            qp.wr_atomic_write.is_some(),
         ];
         assert!(qp_slots.iter().all(|x| *x));
     }

@@ -39,8 +39,17 @@ impl HostNetwork {
         if let Ok(addrs) = nix::ifaddrs::getifaddrs() {
             for ifa in addrs {
                 let up = ifa.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP);
-                let loopback = ifa.flags.contains(nix::net::if_::InterfaceFlags::IFF_LOOPBACK);
-                let Some(addr) = ifa.address.as_ref().and_then(|a| a.as_sockaddr_in()).map(|s| s.ip()) else { continue };
+                let loopback = ifa
+                    .flags
+                    .contains(nix::net::if_::InterfaceFlags::IFF_LOOPBACK);
+                let Some(addr) = ifa
+                    .address
+                    .as_ref()
+                    .and_then(|a| a.as_sockaddr_in())
+                    .map(|s| s.ip())
+                else {
+                    continue;
+                };
                 let prefix = ifa
                     .netmask
                     .as_ref()
@@ -55,7 +64,10 @@ impl HostNetwork {
         }
         found.sort_by(|a, b| a.0.cmp(&b.0));
         let ipv4 = found.first().map(|f| f.1).unwrap_or(Ipv4Addr::LOCALHOST);
-        HostNetwork { ipv4, subnets: found.iter().map(|f| (f.1, f.2)).collect() }
+        HostNetwork {
+            ipv4,
+            subnets: found.iter().map(|f| (f.1, f.2)).collect(),
+        }
     }
 
     /// The tag that this host's LIDs carry in their high byte (never 0).
@@ -127,7 +139,11 @@ impl Directory {
             Some(d) => PathBuf::from(d),
             None => {
                 let uid = nix::unistd::getuid().as_raw();
-                let base = if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
+                let base = if Path::new("/dev/shm").is_dir() {
+                    "/dev/shm"
+                } else {
+                    "/tmp"
+                };
                 PathBuf::from(format!("{base}/ugdr-{uid}"))
             }
         };
@@ -143,7 +159,9 @@ impl Directory {
     pub fn claim(&self, host_tag: u8, worker_address: &[u8]) -> Result<LidClaim, VerbsError> {
         let pid = std::process::id();
         let content = format!("ugdr1 {pid} {}\n", hex_encode(worker_address));
-        let tmp = self.dir.join(format!(".claim-{pid}-{:x}", worker_address.len()));
+        let tmp = self
+            .dir
+            .join(format!(".claim-{pid}-{:x}", worker_address.len()));
         fs::write(&tmp, content.as_bytes())?;
         let first = (pid % 255) as u16;
         let result = (0..255u16)
@@ -167,7 +185,9 @@ impl Directory {
                 None
             });
         let _ = fs::remove_file(&tmp);
-        result.ok_or(VerbsError::NoResources("no free LID slot in the per-host directory"))
+        result.ok_or(VerbsError::NoResources(
+            "no free LID slot in the per-host directory",
+        ))
     }
 
     /// The owner's pid and worker address published under `lid`, if the owner is alive.
@@ -220,7 +240,10 @@ fn hex_decode(s: &str) -> Option<Vec<u8>> {
     if s.len() % 2 != 0 {
         return None;
     }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 /// Why a peer could not be found.
@@ -233,7 +256,11 @@ pub enum ResolveError {
     #[error("lid {0:#06x}: no local subnet holds its host")]
     NoRoute(u16),
     #[error("lid {lid:#06x} at {host}: {why}")]
-    Remote { lid: u16, host: Ipv4Addr, why: String },
+    Remote {
+        lid: u16,
+        host: Ipv4Addr,
+        why: String,
+    },
 }
 
 /// Where a port lives: its worker address, and its pid when it is on this host.
@@ -244,7 +271,12 @@ pub struct Resolved {
 }
 
 /// Finds the UCX worker address of the port `lid` (or the one `gid` names).
-pub fn resolve(net: &HostNetwork, dir: &Directory, lid: u16, gid: Option<&[u8; 16]>) -> Result<Resolved, ResolveError> {
+pub fn resolve(
+    net: &HostNetwork,
+    dir: &Directory,
+    lid: u16,
+    gid: Option<&[u8; 16]>,
+) -> Result<Resolved, ResolveError> {
     let (hosts, lid) = match gid {
         Some(g) => {
             let (ip, lid) = parse_gid(g).ok_or(ResolveError::ForeignGid)?;
@@ -255,12 +287,20 @@ pub fn resolve(net: &HostNetwork, dir: &Directory, lid: u16, gid: Option<&[u8; 1
     };
     if hosts.iter().any(|h| *h == net.ipv4 || h.is_loopback()) {
         let (pid, worker_address) = dir.lookup(lid).ok_or(ResolveError::NoSuchLocalLid(lid))?;
-        return Ok(Resolved { worker_address, local_pid: Some(pid) });
+        return Ok(Resolved {
+            worker_address,
+            local_pid: Some(pid),
+        });
     }
     let mut last = ResolveError::NoRoute(lid);
     for host in hosts {
         match query_remote(host, lid) {
-            Ok(worker_address) => return Ok(Resolved { worker_address, local_pid: None }),
+            Ok(worker_address) => {
+                return Ok(Resolved {
+                    worker_address,
+                    local_pid: None,
+                });
+            }
             Err(why) => last = ResolveError::Remote { lid, host, why },
         }
     }
@@ -268,19 +308,29 @@ pub fn resolve(net: &HostNetwork, dir: &Directory, lid: u16, gid: Option<&[u8; 1
 }
 
 fn query_port() -> u16 {
-    std::env::var("UGDR_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(DEFAULT_QUERY_PORT)
+    std::env::var("UGDR_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(DEFAULT_QUERY_PORT)
 }
 
 fn query_remote(host: Ipv4Addr, lid: u16) -> Result<Vec<u8>, String> {
     let addr = SocketAddr::new(IpAddr::V4(host), query_port());
     let mut stream = TcpStream::connect_timeout(&addr, QUERY_TIMEOUT).map_err(|e| e.to_string())?;
-    stream.set_read_timeout(Some(QUERY_TIMEOUT)).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(QUERY_TIMEOUT))
+        .map_err(|e| e.to_string())?;
     writeln!(stream, "UGDR-Q1 {lid:04x}").map_err(|e| e.to_string())?;
     let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| e.to_string())?;
+    BufReader::new(&stream)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
     let mut parts = line.split_whitespace();
     match parts.next() {
-        Some("OK") => parts.next().and_then(hex_decode).ok_or_else(|| "malformed answer".to_string()),
+        Some("OK") => parts
+            .next()
+            .and_then(hex_decode)
+            .ok_or_else(|| "malformed answer".to_string()),
         Some("NO") => Err("no such port".to_string()),
         _ => Err("not a ugdr peer".to_string()),
     }
@@ -310,7 +360,10 @@ pub fn serve_queries(listener: TcpListener, dir: Directory) {
             continue;
         }
         let mut parts = line.split_whitespace();
-        let answer = match (parts.next(), parts.next().and_then(|l| u16::from_str_radix(l, 16).ok())) {
+        let answer = match (
+            parts.next(),
+            parts.next().and_then(|l| u16::from_str_radix(l, 16).ok()),
+        ) {
             (Some("UGDR-Q1"), Some(lid)) => match dir.lookup(lid) {
                 Some((_, addr)) => format!("OK {}\n", hex_encode(&addr)),
                 None => "NO\n".to_string(),
@@ -329,19 +382,41 @@ mod tests {
     fn gid_carries_lid_and_ipv4() {
         let gid = port_gid(Ipv4Addr::new(10, 199, 0, 2), 0x0207);
         assert_eq!(&gid[..2], &[0xfe, 0x80]);
-        assert_ne!(u64::from_be_bytes(gid[8..16].try_into().unwrap()), 0, "interface id must be non-zero");
-        assert_eq!(parse_gid(&gid), Some((Ipv4Addr::new(10, 199, 0, 2), 0x0207)));
+        assert_ne!(
+            u64::from_be_bytes(gid[8..16].try_into().unwrap()),
+            0,
+            "interface id must be non-zero"
+        );
+        assert_eq!(
+            parse_gid(&gid),
+            Some((Ipv4Addr::new(10, 199, 0, 2), 0x0207))
+        );
         assert_eq!(parse_gid(&[0u8; 16]), None);
     }
 
     #[test]
     fn bare_lid_names_the_host_with_its_tag_on_a_local_subnet() {
-        let net = HostNetwork { ipv4: Ipv4Addr::new(10, 199, 0, 1), subnets: vec![(Ipv4Addr::new(10, 199, 0, 1), 24)] };
+        let net = HostNetwork {
+            ipv4: Ipv4Addr::new(10, 199, 0, 1),
+            subnets: vec![(Ipv4Addr::new(10, 199, 0, 1), 24)],
+        };
         assert_eq!(net.host_tag(), 1);
-        assert_eq!(net.candidates_for_tag(2), vec![Ipv4Addr::new(10, 199, 0, 2)]);
-        assert!(net.candidates_for_tag(1).is_empty(), "our own tag is local, never remote");
-        let narrow = HostNetwork { ipv4: Ipv4Addr::new(10, 0, 0, 5), subnets: vec![(Ipv4Addr::new(10, 0, 0, 5), 30)] };
-        assert_eq!(narrow.candidates_for_tag(6), vec![Ipv4Addr::new(10, 0, 0, 6)]);
+        assert_eq!(
+            net.candidates_for_tag(2),
+            vec![Ipv4Addr::new(10, 199, 0, 2)]
+        );
+        assert!(
+            net.candidates_for_tag(1).is_empty(),
+            "our own tag is local, never remote"
+        );
+        let narrow = HostNetwork {
+            ipv4: Ipv4Addr::new(10, 0, 0, 5),
+            subnets: vec![(Ipv4Addr::new(10, 0, 0, 5), 30)],
+        };
+        assert_eq!(
+            narrow.candidates_for_tag(6),
+            vec![Ipv4Addr::new(10, 0, 0, 6)]
+        );
         assert!(narrow.candidates_for_tag(9).is_empty(), "outside a /30");
     }
 

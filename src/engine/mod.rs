@@ -18,9 +18,9 @@
 pub mod address;
 pub mod wire;
 
+use crate::fake_verbs::VerbsError;
 use crate::fake_verbs::qp::{Peer, QueuePair};
 use crate::fake_verbs::work::WcStatus;
-use crate::fake_verbs::VerbsError;
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
 use address::{Directory, HostNetwork, LidClaim, Resolved};
 use dashmap::DashMap;
@@ -74,7 +74,10 @@ pub fn host_network() -> &'static HostNetwork {
 impl Engine {
     /// The process's engine, started on first use.
     pub fn get() -> Result<&'static Engine, VerbsError> {
-        let engine = ENGINE.get_or_init(Engine::start).as_ref().map_err(Clone::clone)?;
+        let engine = ENGINE
+            .get_or_init(Engine::start)
+            .as_ref()
+            .map_err(Clone::clone)?;
         if engine.stopping.load(Ordering::Acquire) {
             return Err(VerbsError::NoDevice);
         }
@@ -83,7 +86,10 @@ impl Engine {
 
     /// The engine if something already started it and it is not shutting down.
     pub fn running() -> Option<&'static Engine> {
-        ENGINE.get().and_then(|e| e.as_ref().ok()).filter(|e| !e.stopping.load(Ordering::Acquire))
+        ENGINE
+            .get()
+            .and_then(|e| e.as_ref().ok())
+            .filter(|e| !e.stopping.load(Ordering::Acquire))
     }
 
     fn start() -> Result<Engine, VerbsError> {
@@ -107,7 +113,9 @@ impl Engine {
                 Ok(port)
             }
             Err(e) => {
-                tracing::warn!("lid query service unavailable: {e}; peers on other hosts cannot find this port");
+                tracing::warn!(
+                    "lid query service unavailable: {e}; peers on other hosts cannot find this port"
+                );
                 Err(e.to_string())
             }
         };
@@ -121,7 +129,11 @@ impl Engine {
             .spawn(move || progress_loop(&progress_worker, &stop, &polls))
             .map_err(|e| VerbsError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         let seed = (std::process::id() & 0xffff) << 8;
-        tracing::debug!("engine up: lid {lid:#06x} ip {} address {} bytes", network.ipv4, address.len());
+        tracing::debug!(
+            "engine up: lid {lid:#06x} ip {} address {} bytes",
+            network.ipv4,
+            address.len()
+        );
         Ok(Engine {
             worker,
             network,
@@ -148,7 +160,11 @@ impl Engine {
         }
         self.directory.release(&self.claim);
         self.worker.signal();
-        let handle = self.progress_thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let handle = self
+            .progress_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some(h) = handle {
             let _ = h.join();
         }
@@ -183,14 +199,39 @@ impl Engine {
     }
 
     /// The endpoint to a remote worker (one per remote worker, shared by its QPs).
-    pub fn connect(&self, locked: &LockedWorker<'_>, remote: &Resolved, remote_qpn: u32) -> Result<Peer, VerbsError> {
+    pub fn connect(
+        &self,
+        locked: &LockedWorker<'_>,
+        remote: &Resolved,
+        remote_qpn: u32,
+    ) -> Result<Peer, VerbsError> {
         let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(p) = eps.get(&remote.worker_address).filter(|p| !p.endpoint.failed()) {
-            return Ok(Peer { endpoint: Arc::clone(&p.endpoint), qpn: remote_qpn });
+        if let Some(p) = eps
+            .get(&remote.worker_address)
+            .filter(|p| !p.endpoint.failed())
+        {
+            return Ok(Peer {
+                endpoint: Arc::clone(&p.endpoint),
+                qpn: remote_qpn,
+            });
         }
-        let ep = Endpoint::connect(locked, &remote.worker_address, remote.local_pid.is_none(), Box::new(|locked, err| endpoint_failed(locked, err)))?;
-        eps.insert(remote.worker_address.clone(), PeerProcess { endpoint: Arc::clone(&ep), local_pid: remote.local_pid });
-        Ok(Peer { endpoint: ep, qpn: remote_qpn })
+        let ep = Endpoint::connect(
+            locked,
+            &remote.worker_address,
+            remote.local_pid.is_none(),
+            Box::new(endpoint_failed),
+        )?;
+        eps.insert(
+            remote.worker_address.clone(),
+            PeerProcess {
+                endpoint: Arc::clone(&ep),
+                local_pid: remote.local_pid,
+            },
+        );
+        Ok(Peer {
+            endpoint: ep,
+            qpn: remote_qpn,
+        })
     }
 
     /// Fails the endpoints (and so the QPs) of local peers whose process is gone.
@@ -198,19 +239,30 @@ impl Engine {
         let dead: Vec<Arc<Endpoint>> = {
             let eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
             eps.values()
-                .filter(|p| !p.endpoint.failed() && p.local_pid.is_some_and(|pid| !address::pid_alive(pid)))
+                .filter(|p| {
+                    !p.endpoint.failed() && p.local_pid.is_some_and(|pid| !address::pid_alive(pid))
+                })
                 .map(|p| Arc::clone(&p.endpoint))
                 .collect()
         };
         for ep in dead {
-            ep.mark_failed(locked, ucp::Error::Status { code: -25, text: "peer process exited".into() });
+            ep.mark_failed(
+                locked,
+                ucp::Error::Status {
+                    code: -25,
+                    text: "peer process exited".into(),
+                },
+            );
         }
     }
 
     /// The UCX lanes a connection to a worker on this host uses (an endpoint to itself).
     pub fn loopback_transports(&self) -> Result<String, VerbsError> {
         let locked = self.worker.lock();
-        let own = Resolved { worker_address: locked.address()?, local_pid: Some(std::process::id() as i32) };
+        let own = Resolved {
+            worker_address: locked.address()?,
+            local_pid: Some(std::process::id() as i32),
+        };
         let peer = self.connect(&locked, &own, 0)?;
         Ok(peer.endpoint.transport_info(&locked))
     }
@@ -227,7 +279,9 @@ impl Engine {
 
 /// A peer became unreachable: every QP connected through a failed endpoint fails.
 fn endpoint_failed(locked: &LockedWorker<'_>, err: ucp::Error) {
-    let Some(engine) = Engine::running() else { return };
+    let Some(engine) = Engine::running() else {
+        return;
+    };
     tracing::debug!("endpoint to a peer failed: {err}");
     let failed: Vec<Arc<QueuePair>> = engine
         .qps
@@ -243,10 +297,15 @@ fn endpoint_failed(locked: &LockedWorker<'_>, err: ucp::Error) {
 /// The active-message handler: routes a message to its queue pair.
 fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) -> bool {
     let Some(h) = wire::Header::decode(header) else {
-        tracing::warn!("dropping a message with an unknown header ({} bytes)", header.len());
+        tracing::warn!(
+            "dropping a message with an unknown header ({} bytes)",
+            header.len()
+        );
         return false;
     };
-    let Some(engine) = Engine::running() else { return false };
+    let Some(engine) = Engine::running() else {
+        return false;
+    };
     let Some(qp) = engine.qps.get(&h.dst_qpn).map(|q| Arc::clone(q.value())) else {
         tracing::debug!("dropping {:?} for unknown qp {:#x}", h.op, h.dst_qpn);
         return false;

@@ -77,7 +77,19 @@ pub struct Header {
 
 impl Header {
     pub fn new(op: Op, dst_qpn: u32, src_qpn: u32, src_lid: u16, seq: u32) -> Header {
-        Header { op, flags: 0, status: 0, dst_qpn, src_qpn, src_lid, seq, imm_data: 0, remote_addr: 0, rkey: 0, length: 0 }
+        Header {
+            op,
+            flags: 0,
+            status: 0,
+            dst_qpn,
+            src_qpn,
+            src_lid,
+            seq,
+            imm_data: 0,
+            remote_addr: 0,
+            rkey: 0,
+            length: 0,
+        }
     }
 
     pub fn encode(&self) -> [u8; HEADER_LEN] {

@@ -1,7 +1,7 @@
 //! An opened device (`ibv_context`): owns the asynchronous-event queue and counts children.
 
-use super::event_queue::EventQueue;
 use super::VerbsError;
+use super::event_queue::EventQueue;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// An asynchronous event (`ibv_async_event`): the event type and the C handle of the object
@@ -24,7 +24,10 @@ pub struct DeviceContext {
 
 impl DeviceContext {
     pub fn new() -> Result<DeviceContext, VerbsError> {
-        Ok(DeviceContext { async_events: EventQueue::new()?, children: AtomicUsize::new(0) })
+        Ok(DeviceContext {
+            async_events: EventQueue::new()?,
+            children: AtomicUsize::new(0),
+        })
     }
 
     pub fn adopt_child(&self) {
@@ -38,13 +41,18 @@ impl DeviceContext {
     /// Closing fails with EBUSY while PDs, CQs or channels created on it remain.
     pub fn check_closable(&self) -> Result<(), VerbsError> {
         if self.children.load(Ordering::Acquire) != 0 {
-            return Err(VerbsError::Busy("context still has PDs, CQs or completion channels"));
+            return Err(VerbsError::Busy(
+                "context still has PDs, CQs or completion channels",
+            ));
         }
         Ok(())
     }
 
     pub fn raise(&self, event_type: u32, element: usize) {
         tracing::debug!("async event {event_type} on {element:#x}");
-        self.async_events.push(AsyncEvent { event_type, element });
+        self.async_events.push(AsyncEvent {
+            event_type,
+            element,
+        });
     }
 }

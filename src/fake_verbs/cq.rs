@@ -1,9 +1,9 @@
 //! Completion queues and completion channels.
 
+use super::VerbsError;
 use super::context::{DeviceContext, EVENT_CQ_ERR};
 use super::event_queue::EventQueue;
 use super::work::{WcStatus, WorkCompletion};
-use super::VerbsError;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -20,7 +20,11 @@ impl CompletionChannel {
     pub fn new(context: Arc<DeviceContext>) -> Result<Arc<CompletionChannel>, VerbsError> {
         let events = EventQueue::new()?;
         context.adopt_child();
-        Ok(Arc::new(CompletionChannel { context, events, users: AtomicUsize::new(0) }))
+        Ok(Arc::new(CompletionChannel {
+            context,
+            events,
+            users: AtomicUsize::new(0),
+        }))
     }
 
     /// `ibv_destroy_comp_channel` fails with EBUSY while CQs use the channel.
@@ -66,7 +70,11 @@ pub struct CompletionQueue {
 }
 
 impl CompletionQueue {
-    pub fn new(context: Arc<DeviceContext>, capacity: usize, channel: Option<Arc<CompletionChannel>>) -> Arc<CompletionQueue> {
+    pub fn new(
+        context: Arc<DeviceContext>,
+        capacity: usize,
+        channel: Option<Arc<CompletionChannel>>,
+    ) -> Arc<CompletionQueue> {
         context.adopt_child();
         if let Some(ch) = &channel {
             ch.users.fetch_add(1, Ordering::AcqRel);
@@ -75,7 +83,12 @@ impl CompletionQueue {
             context,
             channel,
             handle: AtomicUsize::new(0),
-            ring: Mutex::new(Ring { entries: VecDeque::with_capacity(capacity.min(4096)), capacity, arming: Arming::Off, overrun: false }),
+            ring: Mutex::new(Ring {
+                entries: VecDeque::with_capacity(capacity.min(4096)),
+                capacity,
+                arming: Arming::Off,
+                overrun: false,
+            }),
             users: AtomicUsize::new(0),
             events: Mutex::new((0, 0)),
             events_acked: Condvar::new(),
@@ -106,7 +119,12 @@ impl CompletionQueue {
             if ring.entries.len() >= ring.capacity {
                 if !ring.overrun {
                     ring.overrun = true;
-                    tracing::warn!("cq {:#x}: overrun (capacity {}), completion of wr_id {} lost", self.handle(), ring.capacity, wc.wr_id);
+                    tracing::warn!(
+                        "cq {:#x}: overrun (capacity {}), completion of wr_id {} lost",
+                        self.handle(),
+                        ring.capacity,
+                        wc.wr_id
+                    );
                     self.context.raise(EVENT_CQ_ERR, self.handle());
                 }
                 return;
@@ -162,7 +180,9 @@ impl CompletionQueue {
     pub fn resize(&self, cqe: usize) -> Result<usize, VerbsError> {
         let mut ring = self.ring();
         if cqe < ring.entries.len() {
-            return Err(VerbsError::Invalid("cq smaller than the completions it holds"));
+            return Err(VerbsError::Invalid(
+                "cq smaller than the completions it holds",
+            ));
         }
         ring.capacity = cqe;
         ring.overrun = false;
@@ -201,7 +221,10 @@ impl CompletionQueue {
     pub fn wait_events_acked(&self) {
         let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
         while ev.1 < ev.0 {
-            ev = self.events_acked.wait(ev).unwrap_or_else(|p| p.into_inner());
+            ev = self
+                .events_acked
+                .wait(ev)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 

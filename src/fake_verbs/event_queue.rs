@@ -20,7 +20,11 @@ impl<T> EventQueue<T> {
     pub fn new() -> Result<EventQueue<T>, VerbsError> {
         let (reader, writer) = UnixStream::pair()?;
         writer.set_nonblocking(true)?;
-        Ok(EventQueue { reader, writer, events: Mutex::new(VecDeque::new()) })
+        Ok(EventQueue {
+            reader,
+            writer,
+            events: Mutex::new(VecDeque::new()),
+        })
     }
 
     /// The fd the application polls and reads.

@@ -1,8 +1,8 @@
 //! Memory regions: keys, access flags, and the checks a HCA makes on every SGE.
 
+use super::VerbsError;
 use super::pd::ProtectionDomain;
 use super::work::Sge;
-use super::VerbsError;
 use crate::ucp::{AppRegion, AppSpan};
 use dashmap::DashMap;
 use smallvec::SmallVec;
@@ -58,23 +58,41 @@ pub fn check_access(access: u32) -> Result<(), VerbsError> {
     if access & !ACCESS_SUPPORTED != 0 {
         return Err(VerbsError::Invalid("unknown or unsupported access flags"));
     }
-    if access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0 && access & ACCESS_LOCAL_WRITE == 0 {
-        return Err(VerbsError::Invalid("remote write/atomic access requires local write"));
+    if access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0
+        && access & ACCESS_LOCAL_WRITE == 0
+    {
+        return Err(VerbsError::Invalid(
+            "remote write/atomic access requires local write",
+        ));
     }
     Ok(())
 }
 
 impl MemoryRegion {
-    pub fn register(pd: &Arc<ProtectionDomain>, region: AppRegion, iova: u64, access: u32) -> Result<Arc<MemoryRegion>, VerbsError> {
+    pub fn register(
+        pd: &Arc<ProtectionDomain>,
+        region: AppRegion,
+        iova: u64,
+        access: u32,
+    ) -> Result<Arc<MemoryRegion>, VerbsError> {
         check_access(access)?;
         if region.is_empty() {
             return Err(VerbsError::Invalid("zero-length memory region"));
         }
-        if region.addr().checked_add(region.len()).is_none() || iova.checked_add(region.len()).is_none() {
+        if region.addr().checked_add(region.len()).is_none()
+            || iova.checked_add(region.len()).is_none()
+        {
             return Err(VerbsError::Invalid("memory region wraps the address space"));
         }
         let key = next_key();
-        let mr = Arc::new(MemoryRegion { pd: Arc::clone(pd), region, iova, access, lkey: key, rkey: key });
+        let mr = Arc::new(MemoryRegion {
+            pd: Arc::clone(pd),
+            region,
+            iova,
+            access,
+            lkey: key,
+            rkey: key,
+        });
         pd.adopt_child();
         REGIONS.insert(key, Arc::clone(&mr));
         Ok(mr)
@@ -89,7 +107,11 @@ impl MemoryRegion {
 
 /// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, and local write for
 /// receive buffers) and returns the spans; `None` is a local protection error.
-pub fn local_spans(pd: &Arc<ProtectionDomain>, sges: &[Sge], need_write: bool) -> Option<SmallVec<[AppSpan; 4]>> {
+pub fn local_spans(
+    pd: &Arc<ProtectionDomain>,
+    sges: &[Sge],
+    need_write: bool,
+) -> Option<SmallVec<[AppSpan; 4]>> {
     let mut spans = SmallVec::new();
     for sge in sges {
         if sge.length == 0 {

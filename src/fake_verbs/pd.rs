@@ -1,9 +1,9 @@
 //! Protection domain.
 
-use super::context::DeviceContext;
 use super::VerbsError;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use super::context::DeviceContext;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub struct ProtectionDomain {
     pub context: Arc<DeviceContext>,
@@ -13,7 +13,10 @@ pub struct ProtectionDomain {
 impl ProtectionDomain {
     pub fn new(context: Arc<DeviceContext>) -> Arc<ProtectionDomain> {
         context.adopt_child();
-        Arc::new(ProtectionDomain { context, children: AtomicUsize::new(0) })
+        Arc::new(ProtectionDomain {
+            context,
+            children: AtomicUsize::new(0),
+        })
     }
 
     pub fn adopt_child(&self) {
@@ -27,7 +30,9 @@ impl ProtectionDomain {
     /// `ibv_dealloc_pd` fails with EBUSY while MRs, QPs, SRQs or AHs still use the PD.
     pub fn check_deallocatable(&self) -> Result<(), VerbsError> {
         if self.children.load(Ordering::Acquire) != 0 {
-            return Err(VerbsError::Busy("protection domain still has MRs, QPs, SRQs or AHs"));
+            return Err(VerbsError::Busy(
+                "protection domain still has MRs, QPs, SRQs or AHs",
+            ));
         }
         Ok(())
     }

@@ -5,9 +5,11 @@
 use super::cq::CompletionQueue;
 use super::mr::local_spans;
 use super::pd::ProtectionDomain;
-use super::qp_state::{check_transition, AttrMask, QpState, QpType, TransitionError};
-use super::work::{RecvRequest, SendOpcode, SendRequest, WcOpcode, WcStatus, WorkCompletion, WC_WITH_IMM};
-use super::{device, VerbsError};
+use super::qp_state::{AttrMask, QpState, QpType, TransitionError, check_transition};
+use super::work::{
+    RecvRequest, SendOpcode, SendRequest, WC_WITH_IMM, WcOpcode, WcStatus, WorkCompletion,
+};
+use super::{VerbsError, device};
 use crate::engine::wire::{self, Header, Nak, Op};
 use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendDone, SendPayload};
 use smallvec::SmallVec;
@@ -37,7 +39,9 @@ impl QpCaps {
             return Err(VerbsError::Invalid("more SGEs than max_sge"));
         }
         if requested.max_inline_data > device::MAX_INLINE_DATA {
-            return Err(VerbsError::Invalid("max_inline_data above the device limit"));
+            return Err(VerbsError::Invalid(
+                "max_inline_data above the device limit",
+            ));
         }
         Ok(QpCaps {
             max_send_wr: requested.max_send_wr.max(1),
@@ -154,7 +158,11 @@ enum Deferred {
         data_seq: Option<u32>,
     },
     /// Pull a rendezvous message into the receive WR's buffers; `seq` then lands.
-    Receive { data: AmData, spans: SmallVec<[AppSpan; 4]>, seq: u32 },
+    Receive {
+        data: AmData,
+        spans: SmallVec<[AppSpan; 4]>,
+        seq: u32,
+    },
     /// Give a kept message body back to UCX (for a rendezvous one, this answers its sender).
     Release(AmData),
 }
@@ -206,7 +214,9 @@ impl QueuePair {
         local_lid: u16,
     ) -> Result<Arc<QueuePair>, VerbsError> {
         if qp_type != QpType::Rc {
-            return Err(VerbsError::Unsupported("queue pair type (ugdr carries RC queue pairs)"));
+            return Err(VerbsError::Unsupported(
+                "queue pair type (ugdr carries RC queue pairs)",
+            ));
         }
         pd.adopt_child();
         send_cq.adopt_user();
@@ -224,7 +234,10 @@ impl QueuePair {
             queues: Mutex::new(Queues {
                 outbox: Vec::new(),
                 state: QpState::Reset,
-                attrs: QpAttributes { port_num: device::PORT_NUM, ..Default::default() },
+                attrs: QpAttributes {
+                    port_num: device::PORT_NUM,
+                    ..Default::default()
+                },
                 peer: None,
                 sq: VecDeque::new(),
                 next_send_seq: 0,
@@ -250,7 +263,11 @@ impl QueuePair {
     }
 
     /// Runs `f` under the queue lock, then sends what it queued, with the lock released.
-    fn locked_then_send<R>(self: &Arc<Self>, locked: &LockedWorker<'_>, f: impl FnOnce(&mut Queues) -> R) -> R {
+    fn locked_then_send<R>(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        f: impl FnOnce(&mut Queues) -> R,
+    ) -> R {
         let (result, outbox) = {
             let mut q = self.queues();
             let r = f(&mut q);
@@ -258,11 +275,21 @@ impl QueuePair {
         };
         for work in outbox {
             match work {
-                Deferred::Send { endpoint, header, payload, data_seq } => self.start_send(locked, &endpoint, &header, payload, data_seq),
+                Deferred::Send {
+                    endpoint,
+                    header,
+                    payload,
+                    data_seq,
+                } => self.start_send(locked, &endpoint, &header, payload, data_seq),
                 Deferred::Release(data) => locked.release(data),
                 Deferred::Receive { data, spans, seq } => {
                     let me = Arc::clone(self);
-                    let done = Box::new(move |locked: &LockedWorker<'_>, result: Result<usize, crate::ucp::Error>| me.on_landed(locked, seq, result));
+                    let done = Box::new(
+                        move |locked: &LockedWorker<'_>,
+                              result: Result<usize, crate::ucp::Error>| {
+                            me.on_landed(locked, seq, result)
+                        },
+                    );
                     match locked.receive_rendezvous(data, &spans, done) {
                         Ok(false) => {}
                         Ok(true) => self.on_landed(locked, seq, Ok(0)),
@@ -274,7 +301,14 @@ impl QueuePair {
         result
     }
 
-    fn start_send(self: &Arc<Self>, locked: &LockedWorker<'_>, endpoint: &Endpoint, header: &Header, payload: SendPayload, data_seq: Option<u32>) {
+    fn start_send(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        endpoint: &Endpoint,
+        header: &Header,
+        payload: SendPayload,
+        data_seq: Option<u32>,
+    ) {
         let done: SendDone = match data_seq {
             Some(seq) => {
                 let me = Arc::clone(self);
@@ -288,7 +322,12 @@ impl QueuePair {
             None => Box::new(|_, _| {}),
         };
         if let Err(e) = endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, done) {
-            tracing::debug!("qp {:#x}: cannot send {:?} seq {}: {e}", self.qp_num, header.op, header.seq);
+            tracing::debug!(
+                "qp {:#x}: cannot send {:?} seq {}: {e}",
+                self.qp_num,
+                header.op,
+                header.seq
+            );
             if let Some(seq) = data_seq {
                 self.fail_send(locked, seq, WcStatus::RetryExcErr);
             }
@@ -334,25 +373,49 @@ impl QueuePair {
     /// Checks a modify against the state machine and the attribute values; applies it only
     /// if all of it is valid ("none of the attributes will be modified" otherwise).
     /// `peer` is the resolved destination when the request moves an RC QP to RTR.
-    pub fn modify(self: &Arc<Self>, locked: &LockedWorker<'_>, req: &ModifyRequest, peer: Option<Peer>) -> Result<QpState, VerbsError> {
+    pub fn modify(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        req: &ModifyRequest,
+        peer: Option<Peer>,
+    ) -> Result<QpState, VerbsError> {
         self.locked_then_send(locked, |q| self.modify_locked(q, req, peer))
     }
 
-    fn modify_locked(self: &Arc<Self>, q: &mut Queues, req: &ModifyRequest, peer: Option<Peer>) -> Result<QpState, VerbsError> {
+    fn modify_locked(
+        self: &Arc<Self>,
+        q: &mut Queues,
+        req: &ModifyRequest,
+        peer: Option<Peer>,
+    ) -> Result<QpState, VerbsError> {
         let cur = q.state;
         let next = req.state.unwrap_or(cur);
         check_transition(self.qp_type, cur, next, req.mask, req.claimed_cur).map_err(|e| {
             tracing::debug!("modify qp {:#x}: {e:?}", self.qp_num);
             match e {
-                TransitionError::Invalid { .. } => VerbsError::Invalid("invalid qp state transition"),
-                TransitionError::Missing { .. } => VerbsError::Invalid("required qp attributes missing"),
-                TransitionError::Unexpected { .. } => VerbsError::Invalid("qp attribute not allowed in this transition"),
-                TransitionError::CurStateMismatch { .. } => VerbsError::Invalid("cur_qp_state does not match"),
+                TransitionError::Invalid { .. } => {
+                    VerbsError::Invalid("invalid qp state transition")
+                }
+                TransitionError::Missing { .. } => {
+                    VerbsError::Invalid("required qp attributes missing")
+                }
+                TransitionError::Unexpected { .. } => {
+                    VerbsError::Invalid("qp attribute not allowed in this transition")
+                }
+                TransitionError::CurStateMismatch { .. } => {
+                    VerbsError::Invalid("cur_qp_state does not match")
+                }
             }
         })?;
         check_values(req)?;
-        if next == QpState::Rtr && cur != QpState::Rtr && self.qp_type == QpType::Rc && peer.is_none() {
-            return Err(VerbsError::Invalid("destination address cannot be resolved"));
+        if next == QpState::Rtr
+            && cur != QpState::Rtr
+            && self.qp_type == QpType::Rc
+            && peer.is_none()
+        {
+            return Err(VerbsError::Invalid(
+                "destination address cannot be resolved",
+            ));
         }
         apply_attrs(&mut q.attrs, req);
         if next != cur || next == QpState::Reset || next == QpState::Err {
@@ -371,7 +434,10 @@ impl QueuePair {
                 q.peer = None;
                 q.next_send_seq = 0;
                 q.expected_seq = 0;
-                q.attrs = QpAttributes { port_num: device::PORT_NUM, ..Default::default() };
+                q.attrs = QpAttributes {
+                    port_num: device::PORT_NUM,
+                    ..Default::default()
+                };
                 q.state = QpState::Reset;
             }
             QpState::Err => {
@@ -428,7 +494,10 @@ impl QueuePair {
             self.recv_cq.push(wc, true);
         }
         for r in q.rq.drain(..) {
-            self.recv_cq.push(WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num), true);
+            self.recv_cq.push(
+                WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num),
+                true,
+            );
         }
         release_kept(q);
     }
@@ -437,7 +506,11 @@ impl QueuePair {
 
     /// Posts one send WR. Errors are the ones `ibv_post_send` returns (the WR is not queued);
     /// failures found while executing it become error completions instead.
-    pub fn post_send(self: &Arc<Self>, locked: &LockedWorker<'_>, req: SendRequest) -> Result<(), VerbsError> {
+    pub fn post_send(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        req: SendRequest,
+    ) -> Result<(), VerbsError> {
         self.locked_then_send(locked, |q| self.post_send_locked(q, req))
     }
 
@@ -445,7 +518,12 @@ impl QueuePair {
         match q.state {
             QpState::Rts | QpState::Sqd => {}
             QpState::Err | QpState::Sqe => {
-                let mut wc = WorkCompletion::new(req.wr_id, WcStatus::WrFlushErr, req.opcode.completion_opcode(), self.qp_num);
+                let mut wc = WorkCompletion::new(
+                    req.wr_id,
+                    WcStatus::WrFlushErr,
+                    req.opcode.completion_opcode(),
+                    self.qp_num,
+                );
                 wc.byte_len = 0;
                 self.send_cq.push(wc, true);
                 return Ok(());
@@ -465,11 +543,17 @@ impl QueuePair {
         }
         let op = match req.opcode {
             SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
-            _ => return Err(VerbsError::Unsupported("opcode (ugdr carries SEND and SEND_WITH_IMM)")),
+            _ => {
+                return Err(VerbsError::Unsupported(
+                    "opcode (ugdr carries SEND and SEND_WITH_IMM)",
+                ));
+            }
         };
         let length = req.length();
         if length > u64::from(device::MAX_MSG_SIZE) {
-            return Err(VerbsError::Invalid("message longer than the port's max_msg_sz"));
+            return Err(VerbsError::Invalid(
+                "message longer than the port's max_msg_sz",
+            ));
         }
         let seq = q.next_send_seq;
         q.next_send_seq = seq.wrapping_add(1);
@@ -486,7 +570,11 @@ impl QueuePair {
             None => match local_spans(&self.pd, &req.sges, false) {
                 Some(spans) => SendPayload::Spans(spans),
                 None => {
-                    tracing::debug!("qp {:#x}: wr_id {} has a bad lkey or range", self.qp_num, req.wr_id);
+                    tracing::debug!(
+                        "qp {:#x}: wr_id {} has a bad lkey or range",
+                        self.qp_num,
+                        req.wr_id
+                    );
                     self.fail_entry(q, seq, WcStatus::LocProtErr);
                     return Ok(());
                 }
@@ -504,7 +592,12 @@ impl QueuePair {
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
-        q.outbox.push(Deferred::Send { endpoint: peer.endpoint, header, payload, data_seq: Some(seq) });
+        q.outbox.push(Deferred::Send {
+            endpoint: peer.endpoint,
+            header,
+            payload,
+            data_seq: Some(seq),
+        });
         Ok(())
     }
 
@@ -524,7 +617,11 @@ impl QueuePair {
             let e = q.sq.pop_front().expect("head exists");
             if e.signaled || status != WcStatus::Success {
                 let mut wc = WorkCompletion::new(e.wr_id, status, e.opcode, self.qp_num);
-                wc.byte_len = if status == WcStatus::Success { e.byte_len } else { 0 };
+                wc.byte_len = if status == WcStatus::Success {
+                    e.byte_len
+                } else {
+                    0
+                };
                 self.send_cq.push(wc, true);
             }
         }
@@ -572,15 +669,31 @@ impl QueuePair {
     // ---------------------------------------------------------------- receive side
 
     /// Posts one receive WR (errors as `ibv_post_recv` returns them).
-    pub fn post_recv(self: &Arc<Self>, locked: &LockedWorker<'_>, req: RecvRequest) -> Result<(), VerbsError> {
+    pub fn post_recv(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        req: RecvRequest,
+    ) -> Result<(), VerbsError> {
         self.locked_then_send(locked, |q| self.post_recv_locked(q, req))
     }
 
-    fn post_recv_locked(self: &Arc<Self>, q: &mut Queues, req: RecvRequest) -> Result<(), VerbsError> {
+    fn post_recv_locked(
+        self: &Arc<Self>,
+        q: &mut Queues,
+        req: RecvRequest,
+    ) -> Result<(), VerbsError> {
         match q.state {
             QpState::Reset => return Err(VerbsError::Invalid("post_recv on a QP in RESET")),
             QpState::Err => {
-                self.recv_cq.push(WorkCompletion::new(req.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num), true);
+                self.recv_cq.push(
+                    WorkCompletion::new(
+                        req.wr_id,
+                        WcStatus::WrFlushErr,
+                        WcOpcode::Recv,
+                        self.qp_num,
+                    ),
+                    true,
+                );
                 return Ok(());
             }
             _ => {}
@@ -597,7 +710,12 @@ impl QueuePair {
     }
 
     /// A SEND for this QP. Returns true when the payload's data was kept (UCX must keep it).
-    pub fn on_send(self: &Arc<Self>, locked: &LockedWorker<'_>, h: Header, payload: AmPayload<'_>) -> bool {
+    pub fn on_send(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        h: Header,
+        payload: AmPayload<'_>,
+    ) -> bool {
         self.locked_then_send(locked, |q| self.on_send_locked(q, h, payload))
     }
 
@@ -606,7 +724,11 @@ impl QueuePair {
         match q.state {
             QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => {
                 if connected != Some(h.src_qpn) {
-                    tracing::debug!("qp {:#x}: dropping message from qp {:#x} (not the connected peer)", self.qp_num, h.src_qpn);
+                    tracing::debug!(
+                        "qp {:#x}: dropping message from qp {:#x} (not the connected peer)",
+                        self.qp_num,
+                        h.src_qpn
+                    );
                     return false;
                 }
             }
@@ -650,7 +772,11 @@ impl QueuePair {
             q.expected_seq = q.expected_seq.wrapping_add(1);
             q.waiting.push_back(p);
         }
-        if q.early.keys().next().is_some_and(|s| wire::seq_before(*s, q.expected_seq)) {
+        if q.early
+            .keys()
+            .next()
+            .is_some_and(|s| wire::seq_before(*s, q.expected_seq))
+        {
             q.early.retain(|s, _| !wire::seq_before(*s, 0)); // unreachable in practice
         }
         self.deliver_waiting(q);
@@ -678,7 +804,13 @@ impl QueuePair {
 
     /// Checks the receive WR against the message; on failure completes it with an error,
     /// NAKs the sender and moves the QP to ERR.
-    fn check_receive(&self, q: &mut Queues, wr: &RecvRequest, h: &Header, len: usize) -> Option<smallvec::SmallVec<[AppSpan; 4]>> {
+    fn check_receive(
+        &self,
+        q: &mut Queues,
+        wr: &RecvRequest,
+        h: &Header,
+        len: usize,
+    ) -> Option<smallvec::SmallVec<[AppSpan; 4]>> {
         let capacity: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
         let (status, nak) = if len as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
@@ -688,7 +820,11 @@ impl QueuePair {
                 None => (WcStatus::LocProtErr, Nak::RemoteOperational),
             }
         };
-        tracing::debug!("qp {:#x}: receive wr_id {} failed: {status:?} (message {len} bytes, buffer {capacity})", self.qp_num, wr.wr_id);
+        tracing::debug!(
+            "qp {:#x}: receive wr_id {} failed: {status:?} (message {len} bytes, buffer {capacity})",
+            self.qp_num,
+            wr.wr_id
+        );
         let mut wc = self.recv_completion(wr, h, len);
         wc.status = status;
         wc.byte_len = 0;
@@ -702,18 +838,22 @@ impl QueuePair {
     }
 
     /// Delivers the message of the running handler into `wr`.
-    fn deliver_current(self: &Arc<Self>, q: &mut Queues, wr: RecvRequest, h: Header, payload: AmPayload<'_>) {
+    fn deliver_current(
+        self: &Arc<Self>,
+        q: &mut Queues,
+        wr: RecvRequest,
+        h: Header,
+        payload: AmPayload<'_>,
+    ) {
         match payload {
             AmPayload::Transient(bytes) => self.deliver_bytes(q, wr, &h, bytes),
             AmPayload::Persistent(data) => {
                 // Consumed inside its own handler: read it and let UCX free it.
                 self.deliver_bytes(q, wr, &h, data.bytes());
-                std::mem::forget(data);
             }
             AmPayload::Rendezvous(data) => {
                 let Some(spans) = self.check_receive(q, &wr, &h, data.len()) else {
-                    std::mem::forget(data); // dropped by returning UCS_OK from the handler
-                    return;
+                    return; // UCX drops the descriptor when the handler returns UCS_OK
                 };
                 let wc = self.recv_completion(&wr, &h, data.len());
                 self.start_landing(q, data, &spans, wc, &h);
@@ -743,19 +883,42 @@ impl QueuePair {
     }
 
     fn deliver_bytes(&self, q: &mut Queues, wr: RecvRequest, h: &Header, bytes: &[u8]) {
-        let Some(spans) = self.check_receive(q, &wr, h, bytes.len()) else { return };
+        let Some(spans) = self.check_receive(q, &wr, h, bytes.len()) else {
+            return;
+        };
         crate::ucp::scatter(&spans, bytes);
         let wc = self.recv_completion(&wr, h, bytes.len());
         self.complete_receive(q, wc, h);
     }
 
-    fn start_landing(&self, q: &mut Queues, data: AmData, spans: &[AppSpan], wc: WorkCompletion, h: &Header) {
+    fn start_landing(
+        &self,
+        q: &mut Queues,
+        data: AmData,
+        spans: &[AppSpan],
+        wc: WorkCompletion,
+        h: &Header,
+    ) {
         let seq = h.seq;
-        q.landing.push_back(Landing { seq, wc, solicited: h.flags & wire::FLAG_SOLICITED != 0, landed: false });
-        q.outbox.push(Deferred::Receive { data, spans: SmallVec::from_slice(spans), seq });
+        q.landing.push_back(Landing {
+            seq,
+            wc,
+            solicited: h.flags & wire::FLAG_SOLICITED != 0,
+            landed: false,
+        });
+        q.outbox.push(Deferred::Receive {
+            data,
+            spans: SmallVec::from_slice(spans),
+            seq,
+        });
     }
 
-    fn on_landed(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32, result: Result<usize, crate::ucp::Error>) {
+    fn on_landed(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        seq: u32,
+        result: Result<usize, crate::ucp::Error>,
+    ) {
         self.locked_then_send(locked, |q| self.on_landed_locked(q, seq, result))
     }
 
@@ -789,7 +952,12 @@ impl QueuePair {
             self.recv_cq.push(wc, solicited);
             self.send_ack(q, h.seq, None);
         } else {
-            q.landing.push_back(Landing { seq: h.seq, wc, solicited, landed: true });
+            q.landing.push_back(Landing {
+                seq: h.seq,
+                wc,
+                solicited,
+                landed: true,
+            });
             self.release_landed(q);
         }
     }
@@ -799,7 +967,12 @@ impl QueuePair {
         let mut header = Header::new(Op::Ack, peer.qpn, self.qp_num, self.local_lid, seq);
         header.status = nak.map_or(0, |n| n as u8);
         let endpoint = Arc::clone(&peer.endpoint);
-        q.outbox.push(Deferred::Send { endpoint, header, payload: SendPayload::None, data_seq: None });
+        q.outbox.push(Deferred::Send {
+            endpoint,
+            header,
+            payload: SendPayload::None,
+            data_seq: None,
+        });
     }
 }
 
@@ -836,13 +1009,23 @@ fn check_values(req: &ModifyRequest) -> Result<(), VerbsError> {
     if m.contains(AttrMask::PATH_MTU) && !(1..=5).contains(&a.path_mtu) {
         return Err(VerbsError::Invalid("path_mtu"));
     }
-    if m.contains(AttrMask::ACCESS_FLAGS) && a.access_flags & !(super::mr::ACCESS_LOCAL_WRITE | super::mr::ACCESS_REMOTE_WRITE | super::mr::ACCESS_REMOTE_READ | super::mr::ACCESS_REMOTE_ATOMIC) != 0 {
+    if m.contains(AttrMask::ACCESS_FLAGS)
+        && a.access_flags
+            & !(super::mr::ACCESS_LOCAL_WRITE
+                | super::mr::ACCESS_REMOTE_WRITE
+                | super::mr::ACCESS_REMOTE_READ
+                | super::mr::ACCESS_REMOTE_ATOMIC)
+            != 0
+    {
         return Err(VerbsError::Invalid("qp_access_flags"));
     }
-    if m.contains(AttrMask::MAX_QP_RD_ATOMIC) && i32::from(a.max_rd_atomic) > device::MAX_RD_ATOMIC {
+    if m.contains(AttrMask::MAX_QP_RD_ATOMIC) && i32::from(a.max_rd_atomic) > device::MAX_RD_ATOMIC
+    {
         return Err(VerbsError::Invalid("max_rd_atomic"));
     }
-    if m.contains(AttrMask::MAX_DEST_RD_ATOMIC) && i32::from(a.max_dest_rd_atomic) > device::MAX_RD_ATOMIC {
+    if m.contains(AttrMask::MAX_DEST_RD_ATOMIC)
+        && i32::from(a.max_dest_rd_atomic) > device::MAX_RD_ATOMIC
+    {
         return Err(VerbsError::Invalid("max_dest_rd_atomic"));
     }
     if m.contains(AttrMask::TIMEOUT) && a.timeout > 31 {

@@ -5,6 +5,7 @@
     non_upper_case_globals,
     dead_code,
     clippy::all,
+    clippy::undocumented_unsafe_blocks,
     unsafe_op_in_unsafe_fn,
     unnecessary_transmutes,
     unpredictable_function_pointer_comparisons

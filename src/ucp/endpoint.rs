@@ -1,14 +1,14 @@
 //! `ucp_ep`: a connection to a remote worker, and active-message send.
 
+use super::Error;
 use super::memory::AppSpan;
 use super::worker::{LockedWorker, Worker};
-use super::Error;
 use crate::sys::{self, ucs};
 use smallvec::SmallVec;
 use std::ffi::c_void;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What a send carries after its header.
 pub enum SendPayload {
@@ -64,31 +64,53 @@ pub enum SendState {
 impl Endpoint {
     /// Connects to the worker whose packed address is `remote`. `on_error` runs (under the
     /// lock, from progress) if the connection fails later.
-    pub fn connect(locked: &LockedWorker<'_>, remote: &[u8], peer_failure_mode: bool, on_error: ErrorHandler) -> Result<Arc<Endpoint>, Error> {
+    pub fn connect(
+        locked: &LockedWorker<'_>,
+        remote: &[u8],
+        peer_failure_mode: bool,
+        on_error: ErrorHandler,
+    ) -> Result<Arc<Endpoint>, Error> {
         let worker = locked.worker();
-        let shared = Box::new(EndpointShared { failed: AtomicBool::new(false), on_error, worker });
+        let shared = Box::new(EndpointShared {
+            failed: AtomicBool::new(false),
+            on_error,
+            worker,
+        });
         let params = sys::ucp_ep_params {
             field_mask: (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS.0
                 | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE.0
-                | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER.0) as u64,
+                | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER.0)
+                as u64,
             address: remote.as_ptr() as *const sys::ucp_address_t,
             err_mode: if peer_failure_mode {
                 sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
             } else {
                 sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE
             },
-            err_handler: sys::ucp_err_handler { cb: Some(endpoint_error_callback), arg: &*shared as *const EndpointShared as *mut c_void },
+            err_handler: sys::ucp_err_handler {
+                cb: Some(endpoint_error_callback),
+                arg: &*shared as *const EndpointShared as *mut c_void,
+            },
             ..Default::default()
         };
         let mut handle: sys::ucp_ep_h = ptr::null_mut();
         // SAFETY: lock held; `remote` is a packed worker address from a peer (UCX validates
         // it); the error-handler arg lives in the returned Endpoint's Box, which outlives the ep
         // (eps are never destroyed while the Endpoint lives).
-        Error::check(unsafe { worker.api().ucp_ep_create(worker.raw(), &params, &mut handle) })?;
-        let handle = NonNull::new(handle).ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
+        Error::check(unsafe {
+            worker
+                .api()
+                .ucp_ep_create(worker.raw(), &params, &mut handle)
+        })?;
+        let handle = NonNull::new(handle)
+            .ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
         // The Arc<Worker> keeps the worker alive for as long as the endpoint.
         let worker_arc = worker_arc(worker);
-        Ok(Arc::new(Endpoint { handle, shared, worker: worker_arc }))
+        Ok(Arc::new(Endpoint {
+            handle,
+            shared,
+            worker: worker_arc,
+        }))
     }
 
     /// True once the peer was found unreachable.
@@ -106,7 +128,14 @@ impl Endpoint {
     /// Sends active message `id` with `header` and `payload`. The header is copied; payload
     /// spans must stay valid until `done` runs. When the send finishes inside this call,
     /// returns `SendState::Done` and does not call `done`.
-    pub fn am_send(&self, locked: &LockedWorker<'_>, id: u32, header: &[u8], payload: SendPayload, done: SendDone) -> Result<SendState, Error> {
+    pub fn am_send(
+        &self,
+        locked: &LockedWorker<'_>,
+        id: u32,
+        header: &[u8],
+        payload: SendPayload,
+        done: SendDone,
+    ) -> Result<SendState, Error> {
         let _ = locked; // the proof that the worker lock is held
         let mut req = Box::new(SendRequest {
             worker: Arc::as_ptr(&self.worker),
@@ -118,11 +147,22 @@ impl Endpoint {
         match payload {
             SendPayload::None => {}
             SendPayload::Spans(spans) => {
-                req.iov.extend(spans.iter().filter(|s| !s.is_empty()).map(|s| sys::ucp_dt_iov_t { buffer: s.as_ptr() as *mut c_void, length: s.len() }));
+                req.iov.extend(
+                    spans
+                        .iter()
+                        .filter(|s| !s.is_empty())
+                        .map(|s| sys::ucp_dt_iov_t {
+                            buffer: s.as_ptr() as *mut c_void,
+                            length: s.len(),
+                        }),
+                );
             }
             SendPayload::Owned(bytes) => {
                 if !bytes.is_empty() {
-                    req.iov.push(sys::ucp_dt_iov_t { buffer: bytes.as_ptr() as *mut c_void, length: bytes.len() });
+                    req.iov.push(sys::ucp_dt_iov_t {
+                        buffer: bytes.as_ptr() as *mut c_void,
+                        length: bytes.len(),
+                    });
                 }
                 req._owned = bytes;
             }
@@ -131,7 +171,9 @@ impl Endpoint {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: Some(send_callback) },
+            cb: sys::ucp_request_param_t__bindgen_ty_1 {
+                send: Some(send_callback),
+            },
             datatype: ucs::dt_make_iov(),
             user_data: &mut *req as *mut SendRequest as *mut c_void,
             ..Default::default()
@@ -140,7 +182,17 @@ impl Endpoint {
         let (buf, count) = (req.iov.as_ptr() as *const c_void, req.iov.len());
         // SAFETY: lock held; header and iov live in `req`, which is leaked to the callback when
         // the send is pending; payload spans are valid per SendPayload's contract.
-        let ret = unsafe { self.worker.api().ucp_am_send_nbx(self.handle.as_ptr(), id, hdr, hdr_len, buf, count, &param) };
+        let ret = unsafe {
+            self.worker.api().ucp_am_send_nbx(
+                self.handle.as_ptr(),
+                id,
+                hdr,
+                hdr_len,
+                buf,
+                count,
+                &param,
+            )
+        };
         if ucs::ptr_is_ptr(ret) {
             let _ = Box::into_raw(req); // reclaimed by send_callback
             Ok(SendState::Pending)
@@ -163,14 +215,22 @@ fn worker_arc(worker: &Worker) -> Arc<Worker> {
     }
 }
 
-unsafe extern "C" fn send_callback(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+unsafe extern "C" fn send_callback(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: user_data is the Box leaked by am_send, reclaimed exactly once here.
         let mut req = unsafe { Box::from_raw(user_data as *mut SendRequest) };
         // SAFETY: the worker outlives its requests; callbacks run inside progress (lock held).
         let worker = unsafe { &*req.worker };
         let locked = LockedWorker::assume_held(worker);
-        let result = if status == sys::ucs_status_t::UCS_OK { Ok(()) } else { Err(Error::from_status(status)) };
+        let result = if status == sys::ucs_status_t::UCS_OK {
+            Ok(())
+        } else {
+            Err(Error::from_status(status))
+        };
         if let Some(done) = req.done.take() {
             done(&locked, result);
         }
@@ -179,7 +239,11 @@ unsafe extern "C" fn send_callback(request: *mut c_void, status: sys::ucs_status
     }));
 }
 
-unsafe extern "C" fn endpoint_error_callback(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+unsafe extern "C" fn endpoint_error_callback(
+    arg: *mut c_void,
+    _ep: sys::ucp_ep_h,
+    status: sys::ucs_status_t,
+) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: arg is the EndpointShared owned by the live Endpoint.
         let shared = unsafe { &*(arg as *const EndpointShared) };
@@ -204,7 +268,11 @@ impl Endpoint {
             return String::new();
         }
         // SAFETY: lock held; `file` is a valid FILE* that UCX writes to.
-        unsafe { self.worker.api().ucp_ep_print_info(self.handle.as_ptr(), file.cast()) };
+        unsafe {
+            self.worker
+                .api()
+                .ucp_ep_print_info(self.handle.as_ptr(), file.cast())
+        };
         let mut out = Vec::new();
         // SAFETY: rewind and read back what UCX wrote, then close the FILE* once.
         unsafe {

@@ -31,9 +31,12 @@ impl Ucx {
     fn load() -> Result<Ucx, Error> {
         // SAFETY: loading libucp runs its constructors (libucs's ucs_init), which is what any
         // UCX user does; the library is kept loaded for the life of the process.
-        let api = unsafe { sys::UcxLibrary::new("libucp.so.0") }.map_err(|e| Error::Load(e.to_string()))?;
+        let api = unsafe { sys::UcxLibrary::new("libucp.so.0") }
+            .map_err(|e| Error::Load(e.to_string()))?;
         // SAFETY: both strings are NUL-terminated and outlive the call; UCX copies the value.
-        let status = unsafe { api.ucs_global_opts_set_value(c"MODULES".as_ptr(), UCX_MODULES_WITHOUT_VERBS.as_ptr()) };
+        let status = unsafe {
+            api.ucs_global_opts_set_value(c"MODULES".as_ptr(), UCX_MODULES_WITHOUT_VERBS.as_ptr())
+        };
         if status != sys::ucs_status_t::UCS_OK {
             tracing::warn!("ucx: cannot set MODULES=^ib,rdmacm (status {})", status.0);
         }
@@ -46,6 +49,9 @@ pub fn ucx_version() -> Result<String, Error> {
     let lib = Ucx::get()?;
     // SAFETY: returns a static NUL-terminated string.
     let p = unsafe { lib.api.ucp_get_version_string() };
-    // SAFETY: non-NULL static string per UCX's contract (checked anyway).
-    Ok(if p.is_null() { String::new() } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() })
+    if p.is_null() {
+        return Ok(String::new());
+    }
+    // SAFETY: non-NULL static NUL-terminated string per UCX's contract.
+    Ok(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }

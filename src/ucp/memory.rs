@@ -47,7 +47,10 @@ impl AppRegion {
         if addr < self.addr || end > region_end {
             return None;
         }
-        Some(AppSpan { addr, len: usize::try_from(len).ok()? })
+        Some(AppSpan {
+            addr,
+            len: usize::try_from(len).ok()?,
+        })
     }
 }
 
@@ -55,7 +58,10 @@ impl AppSpan {
     /// A span over ugdr-owned bytes (inline data, staging buffers). The span must not outlive
     /// `bytes`; callers keep the owner alive alongside the span (see `SendPayload`).
     pub fn of_owned(bytes: &[u8]) -> AppSpan {
-        AppSpan { addr: bytes.as_ptr() as u64, len: bytes.len() }
+        AppSpan {
+            addr: bytes.as_ptr() as u64,
+            len: bytes.len(),
+        }
     }
 
     pub fn addr(&self) -> u64 {

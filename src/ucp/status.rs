@@ -27,7 +27,10 @@ impl Error {
             }
             Err(_) => String::from("unknown status"),
         };
-        Error::Status { code: status.0, text }
+        Error::Status {
+            code: status.0,
+            text,
+        }
     }
 
     /// Turns a status into `Ok(())` for `UCS_OK` and an error otherwise.
@@ -52,10 +55,10 @@ impl Error {
         match self {
             Error::Load(_) => libc::ENODEV,
             Error::Status { code, .. } => match *code {
-                -4 => libc::ENOMEM,         // UCS_ERR_NO_MEMORY
-                -5 | -6 => libc::EINVAL,    // INVALID_PARAM, UNREACHABLE
-                -22 => libc::EOPNOTSUPP,    // UNSUPPORTED
-                -25 => libc::ECONNRESET,    // CONNECTION_RESET
+                -4 => libc::ENOMEM,           // UCS_ERR_NO_MEMORY
+                -5 | -6 => libc::EINVAL,      // INVALID_PARAM, UNREACHABLE
+                -22 => libc::EOPNOTSUPP,      // UNSUPPORTED
+                -25 => libc::ECONNRESET,      // CONNECTION_RESET
                 -80 | -27 => libc::ETIMEDOUT, // TIMED_OUT, ENDPOINT_TIMEOUT
                 _ => libc::EIO,
             },

@@ -1,8 +1,8 @@
 //! `ucp_context` and `ucp_worker`, the worker lock, active-message receive and waiting.
 
+use super::Error;
 use super::library::Ucx;
 use super::memory::AppSpan;
-use super::Error;
 use crate::sys::{self, ucs};
 use std::ffi::c_void;
 use std::os::fd::RawFd;
@@ -26,7 +26,10 @@ impl Context {
         let ucx = Ucx::get()?;
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: NULL env prefix and file name mean "UCX_ variables"; `config` is an out-param.
-        Error::check(unsafe { ucx.api.ucp_config_read(ptr::null(), ptr::null(), &mut config) })?;
+        Error::check(unsafe {
+            ucx.api
+                .ucp_config_read(ptr::null(), ptr::null(), &mut config)
+        })?;
         let params = sys::ucp_params {
             field_mask: (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES.0
                 | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED.0
@@ -55,7 +58,8 @@ impl Context {
         // SAFETY: config came from ucp_config_read and is released exactly once.
         unsafe { ucx.api.ucp_config_release(config) };
         Error::check(status)?;
-        let handle = NonNull::new(handle).ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
+        let handle = NonNull::new(handle)
+            .ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
         Ok(Arc::new(Context { handle, ucx }))
     }
 }
@@ -156,8 +160,11 @@ impl Worker {
         };
         let mut handle: sys::ucp_worker_h = ptr::null_mut();
         // SAFETY: context is live (held by the Arc); params valid for the call.
-        Error::check(unsafe { api.ucp_worker_create(context.handle.as_ptr(), &params, &mut handle) })?;
-        let handle = NonNull::new(handle).ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
+        Error::check(unsafe {
+            api.ucp_worker_create(context.handle.as_ptr(), &params, &mut handle)
+        })?;
+        let handle = NonNull::new(handle)
+            .ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
         let mut event_fd: i32 = -1;
         // SAFETY: worker just created; out-param.
         let status = unsafe { api.ucp_worker_get_efd(handle.as_ptr(), &mut event_fd) };
@@ -166,7 +173,13 @@ impl Worker {
             unsafe { api.ucp_worker_destroy(handle.as_ptr()) };
             return Err(e);
         }
-        Ok(Arc::new(Worker { handle, lock: Mutex::new(()), event_fd, handlers: OnceLock::new(), context }))
+        Ok(Arc::new(Worker {
+            handle,
+            lock: Mutex::new(()),
+            event_fd,
+            handlers: OnceLock::new(),
+            context,
+        }))
     }
 
     /// The file descriptor that becomes readable when the worker has work (after `arm`).
@@ -176,13 +189,22 @@ impl Worker {
 
     pub fn lock(&self) -> LockedWorker<'_> {
         let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        LockedWorker { worker: self, _guard: Some(guard) }
+        LockedWorker {
+            worker: self,
+            _guard: Some(guard),
+        }
     }
 
     pub fn try_lock(&self) -> Option<LockedWorker<'_>> {
         match self.lock.try_lock() {
-            Ok(g) => Some(LockedWorker { worker: self, _guard: Some(g) }),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(LockedWorker { worker: self, _guard: Some(p.into_inner()) }),
+            Ok(g) => Some(LockedWorker {
+                worker: self,
+                _guard: Some(g),
+            }),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(LockedWorker {
+                worker: self,
+                _guard: Some(p.into_inner()),
+            }),
             Err(std::sync::TryLockError::WouldBlock) => None,
         }
     }
@@ -203,15 +225,21 @@ impl Worker {
 
     /// Installs the handler for active-message id `id` (once per worker).
     pub fn set_am_handler(self: &Arc<Self>, id: u32, handler: Box<AmHandler>) -> Result<(), Error> {
-        let slot = Box::new(HandlerSlot { worker: Arc::as_ptr(self), handler });
+        let slot = Box::new(HandlerSlot {
+            worker: Arc::as_ptr(self),
+            handler,
+        });
         let arg = &*slot as *const HandlerSlot as *mut c_void;
         if self.handlers.set(slot).is_err() {
-            return Err(Error::from_status(sys::ucs_status_t::UCS_ERR_ALREADY_EXISTS));
+            return Err(Error::from_status(
+                sys::ucs_status_t::UCS_ERR_ALREADY_EXISTS,
+            ));
         }
         let param = sys::ucp_am_handler_param {
             field_mask: (sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
                 | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-                | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64,
+                | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG.0)
+                as u64,
             id,
             flags: 0,
             cb: Some(am_recv_callback),
@@ -219,7 +247,10 @@ impl Worker {
         };
         let locked = self.lock();
         // SAFETY: the slot lives in `self.handlers` for the worker's life, so `arg` stays valid.
-        Error::check(unsafe { self.api().ucp_worker_set_am_recv_handler(locked.worker.raw(), &param) })
+        Error::check(unsafe {
+            self.api()
+                .ucp_worker_set_am_recv_handler(locked.worker.raw(), &param)
+        })
     }
 }
 
@@ -257,11 +288,21 @@ unsafe extern "C" fn am_recv_callback(
         let rndv = attr & sys::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0;
         let persistent = attr & sys::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_DATA.0 as u64 != 0;
         let payload = match NonNull::new(data) {
-            Some(desc) if rndv => AmPayload::Rendezvous(AmData { desc, len: length, rendezvous: true }),
-            Some(desc) if persistent => AmPayload::Persistent(AmData { desc, len: length, rendezvous: false }),
+            Some(desc) if rndv => AmPayload::Rendezvous(AmData {
+                desc,
+                len: length,
+                rendezvous: true,
+            }),
+            Some(desc) if persistent => AmPayload::Persistent(AmData {
+                desc,
+                len: length,
+                rendezvous: false,
+            }),
             Some(p) => {
                 // SAFETY: eager data of `length` bytes valid during the callback.
-                AmPayload::Transient(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, length) })
+                AmPayload::Transient(unsafe {
+                    std::slice::from_raw_parts(p.as_ptr() as *const u8, length)
+                })
             }
             None => AmPayload::Transient(&[]),
         };
@@ -289,7 +330,10 @@ impl<'w> LockedWorker<'w> {
     /// The view of a worker from inside one of its callbacks, which only run inside
     /// `progress`, while the thread that called it holds the lock.
     pub(crate) fn assume_held(worker: &'w Worker) -> LockedWorker<'w> {
-        LockedWorker { worker, _guard: None }
+        LockedWorker {
+            worker,
+            _guard: None,
+        }
     }
 
     pub fn worker(&self) -> &'w Worker {
@@ -314,35 +358,61 @@ impl<'w> LockedWorker<'w> {
         let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: lock held; out-params.
-        Error::check(unsafe { self.worker.api().ucp_worker_get_address(self.worker.raw(), &mut addr, &mut len) })?;
+        Error::check(unsafe {
+            self.worker
+                .api()
+                .ucp_worker_get_address(self.worker.raw(), &mut addr, &mut len)
+        })?;
         // SAFETY: UCX returned `len` bytes at `addr`; copied, then released once.
         let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
         // SAFETY: as above.
-        unsafe { self.worker.api().ucp_worker_release_address(self.worker.raw(), addr) };
+        unsafe {
+            self.worker
+                .api()
+                .ucp_worker_release_address(self.worker.raw(), addr)
+        };
         Ok(bytes)
     }
 
     /// Gives a kept message body back to UCX.
     pub fn release(&self, data: AmData) {
         // SAFETY: lock held; `data` came from this worker's handler and is consumed here.
-        unsafe { self.worker.api().ucp_am_data_release(self.worker.raw(), data.desc.as_ptr()) }
+        unsafe {
+            self.worker
+                .api()
+                .ucp_am_data_release(self.worker.raw(), data.desc.as_ptr())
+        }
     }
 
     /// Fetches a rendezvous message into `dest` with `ucp_am_recv_data_nbx`. `Ok(true)`: the
     /// data is in place already and `done` is not called; `Ok(false)`: `done` runs from
     /// progress (under the lock) once it is. May be called from the message's own handler.
-    pub fn receive_rendezvous(&self, data: AmData, dest: &[AppSpan], done: ReceiveDone) -> Result<bool, Error> {
+    pub fn receive_rendezvous(
+        &self,
+        data: AmData,
+        dest: &[AppSpan],
+        done: ReceiveDone,
+    ) -> Result<bool, Error> {
         let iov: Vec<sys::ucp_dt_iov_t> = dest
             .iter()
             .filter(|s| !s.is_empty())
-            .map(|s| sys::ucp_dt_iov_t { buffer: s.as_ptr() as *mut c_void, length: s.len() })
+            .map(|s| sys::ucp_dt_iov_t {
+                buffer: s.as_ptr() as *mut c_void,
+                length: s.len(),
+            })
             .collect();
-        let mut req = Box::new(ReceiveRequest { worker: self.worker, iov, done });
+        let mut req = Box::new(ReceiveRequest {
+            worker: self.worker,
+            iov,
+            done,
+        });
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 { recv_am: Some(receive_callback) },
+            cb: sys::ucp_request_param_t__bindgen_ty_1 {
+                recv_am: Some(receive_callback),
+            },
             datatype: ucs::dt_make_iov(),
             user_data: &mut *req as *mut ReceiveRequest as *mut c_void,
             ..Default::default()
@@ -351,7 +421,15 @@ impl<'w> LockedWorker<'w> {
         // SAFETY: lock held; `data` is a rendezvous descriptor from this worker, consumed here;
         // the iov array lives in `req` (leaked to the callback when pending) and the spans it
         // names are registered memory (AppSpan's contract).
-        let ret = unsafe { self.worker.api().ucp_am_recv_data_nbx(self.worker.raw(), data.desc.as_ptr(), buf, count, &param) };
+        let ret = unsafe {
+            self.worker.api().ucp_am_recv_data_nbx(
+                self.worker.raw(),
+                data.desc.as_ptr(),
+                buf,
+                count,
+                &param,
+            )
+        };
         if ucs::ptr_is_ptr(ret) {
             let _ = Box::into_raw(req); // reclaimed by receive_callback
             Ok(false)
@@ -363,14 +441,23 @@ impl<'w> LockedWorker<'w> {
     }
 }
 
-unsafe extern "C" fn receive_callback(request: *mut c_void, status: sys::ucs_status_t, length: usize, user_data: *mut c_void) {
+unsafe extern "C" fn receive_callback(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    length: usize,
+    user_data: *mut c_void,
+) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: user_data is the Box leaked by LockedWorker::receive, reclaimed exactly once.
         let req = unsafe { Box::from_raw(user_data as *mut ReceiveRequest) };
         // SAFETY: the worker outlives its requests; this runs inside progress (lock held).
         let worker = unsafe { &*req.worker };
         let locked = LockedWorker::assume_held(worker);
-        let result = if status == sys::ucs_status_t::UCS_OK { Ok(length) } else { Err(Error::from_status(status)) };
+        let result = if status == sys::ucs_status_t::UCS_OK {
+            Ok(length)
+        } else {
+            Err(Error::from_status(status))
+        };
         (req.done)(&locked, result);
         // SAFETY: the request handle was returned by ucp_am_recv_data_nbx and is freed once.
         unsafe { worker.api().ucp_request_free(request) };
@@ -380,11 +467,22 @@ unsafe extern "C" fn receive_callback(request: *mut c_void, status: sys::ucs_sta
 /// Blocks until one of `fds` is readable or `timeout_ms` passes (-1: no timeout).
 /// Returns the indices of the readable fds.
 pub fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> Vec<usize> {
-    let mut pfds: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
     // SAFETY: pfds is a valid array of `len` pollfd structs.
     let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
     if n <= 0 {
         return Vec::new();
     }
-    pfds.iter().enumerate().filter(|(_, p)| p.revents != 0).map(|(i, _)| i).collect()
+    pfds.iter()
+        .enumerate()
+        .filter(|(_, p)| p.revents != 0)
+        .map(|(i, _)| i)
+        .collect()
 }

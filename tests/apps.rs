@@ -1,0 +1,222 @@
+//! The acceptance programs, unmodified (Debian's ibverbs-utils and ucx-utils), under
+//! LD_PRELOAD of the built libugdr.so and nothing else: on one host, and across two network
+//! namespaces that stand for two hosts.
+
+mod harness;
+
+use harness::*;
+use std::time::Duration;
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn ibv_devices_lists_ugdr0() {
+    let out = run(
+        preloaded("ibv_devices", &[]),
+        "ibv_devices",
+        Duration::from_secs(30),
+    );
+    assert_success(&out, "ibv_devices");
+    assert!(
+        stdout(&out)
+            .lines()
+            .any(|l| l.trim_start().starts_with("ugdr0")),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn ibv_devinfo_verbose_shows_an_active_infiniband_port() {
+    let out = run(
+        preloaded("ibv_devinfo", &["-v"]),
+        "ibv_devinfo -v",
+        Duration::from_secs(30),
+    );
+    assert_success(&out, "ibv_devinfo -v");
+    let s = stdout(&out);
+    for needle in [
+        "hca_id:\tugdr0",
+        "PORT_ACTIVE (4)",
+        "link_layer:\t\tInfiniBand",
+        "active_mtu:\t\t4096 (5)",
+        "GID[  0]:\t\tfe80:0000:0000:0000:0255",
+    ] {
+        assert!(s.contains(needle), "missing {needle:?}\n{}", text(&out));
+    }
+    let lid = s
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("port_lid:"))
+        .map(|v| v.trim().to_string())
+        .expect("port_lid line");
+    assert_ne!(lid, "0", "the LID must be non-zero");
+}
+
+/// `ibv_rc_pingpong` server and client with `opts`; both must exit 0 and report the transfer.
+fn rc_pingpong(opts: &[&str], timeout_s: u64) {
+    let port = free_port().to_string();
+    let mut sargs = vec!["-p", port.as_str()];
+    sargs.extend_from_slice(opts);
+    let mut cargs = sargs.clone();
+    cargs.push("127.0.0.1");
+    let (s, c) = run_pingpong(
+        preloaded("ibv_rc_pingpong", &sargs),
+        preloaded("ibv_rc_pingpong", &cargs),
+        port.parse().unwrap(),
+        Duration::from_secs(timeout_s),
+    );
+    assert_success(&s, &format!("ibv_rc_pingpong server {opts:?}"));
+    assert_success(&c, &format!("ibv_rc_pingpong client {opts:?}"));
+    for o in [&s, &c] {
+        assert!(
+            stdout(o).contains("bytes in") && stdout(o).contains("iters in"),
+            "no transfer report\n{}",
+            text(o)
+        );
+    }
+}
+
+#[test]
+fn rc_pingpong_default() {
+    rc_pingpong(&[], 60);
+}
+
+#[test]
+fn rc_pingpong_validated() {
+    rc_pingpong(&["-c"], 60);
+}
+
+#[test]
+fn rc_pingpong_one_byte() {
+    rc_pingpong(&["-s", "1", "-c"], 60);
+}
+
+#[test]
+fn rc_pingpong_64k() {
+    rc_pingpong(&["-s", "65536", "-c"], 90);
+}
+
+#[test]
+fn rc_pingpong_1m_200_iters() {
+    rc_pingpong(&["-s", "1048576", "-n", "200", "-c"], 120);
+}
+
+#[test]
+fn rc_pingpong_20000_iters_of_64_bytes() {
+    rc_pingpong(&["-n", "20000", "-s", "64"], 120);
+}
+
+#[test]
+fn rc_pingpong_events() {
+    rc_pingpong(&["-e", "-c"], 90);
+}
+
+#[test]
+fn rc_pingpong_gid_index_0() {
+    rc_pingpong(&["-g", "0", "-c"], 60);
+}
+
+#[test]
+fn rc_pingpong_new_send_api() {
+    rc_pingpong(&["-N", "-c"], 60);
+}
+
+#[test]
+fn rc_pingpong_mtu_4096() {
+    rc_pingpong(&["-m", "4096", "-c"], 60);
+}
+
+#[test]
+fn rc_pingpong_rx_depth_1() {
+    rc_pingpong(&["-r", "1", "-n", "2000", "-c"], 90);
+}
+
+fn rc_pingpong_across_namespaces(tag: &str, opts: &[&str]) {
+    let ns = NetnsPair::new(tag);
+    let port = free_port().to_string();
+    let mut sargs = vec!["-p", port.as_str()];
+    sargs.extend_from_slice(opts);
+    let mut cargs = sargs.clone();
+    cargs.push(ADDR_A);
+    let (s, c) = ns.run_pingpong(
+        ns.command(&ns.a, "ibv_rc_pingpong", &sargs),
+        ns.command(&ns.b, "ibv_rc_pingpong", &cargs),
+        port.parse().unwrap(),
+        Duration::from_secs(120),
+    );
+    assert_success(&s, "server in namespace A");
+    assert_success(&c, "client in namespace B");
+    assert!(stdout(&c).contains("iters in"), "{}", text(&c));
+    // The two sides got LIDs of two different hosts (the host tag is the LID's high byte).
+    let lids: Vec<String> = stdout(&c)
+        .lines()
+        .filter_map(|l| l.split("LID 0x").nth(1).map(|r| r[..2].to_string()))
+        .collect();
+    assert_eq!(lids.len(), 2, "{}", text(&c));
+    assert_ne!(
+        lids[0],
+        lids[1],
+        "local and remote LIDs should name different hosts\n{}",
+        text(&c)
+    );
+}
+
+#[test]
+fn rc_pingpong_across_hosts_by_lid() {
+    rc_pingpong_across_namespaces("l", &["-c"]);
+}
+
+#[test]
+fn rc_pingpong_across_hosts_by_gid() {
+    rc_pingpong_across_namespaces("g", &["-g", "0", "-c"]);
+}
+
+#[test]
+fn a_process_that_runs_ucx_itself_neither_recurses_nor_crashes() {
+    let out = run(
+        preloaded("ucx_info", &["-d"]),
+        "ucx_info -d",
+        Duration::from_secs(60),
+    );
+    assert_success(&out, "ucx_info -d under ugdr");
+    assert!(stdout(&out).contains("Transport: tcp"), "{}", text(&out));
+}
+
+#[test]
+fn launcher_runs_a_program_with_the_library_preloaded() {
+    let mut c = std::process::Command::new(ugdr_bin());
+    c.args(["run", "--", &require("ibv_devices")])
+        .env_remove("LD_PRELOAD");
+    let out = run(c, "ugdr run -- ibv_devices", Duration::from_secs(30));
+    assert_success(&out, "ugdr run");
+    assert!(stdout(&out).contains("ugdr0"), "{}", text(&out));
+}
+
+#[test]
+fn launcher_without_a_command_prints_usage_and_fails() {
+    let mut c = std::process::Command::new(ugdr_bin());
+    c.arg("run");
+    let out = run(c, "ugdr run", Duration::from_secs(10));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("usage: ugdr run"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn ugdr_info_shows_the_port() {
+    let mut c = std::process::Command::new(ugdr_bin());
+    c.arg("info");
+    let out = run(c, "ugdr info", Duration::from_secs(30));
+    assert_success(&out, "ugdr info");
+    let s = stdout(&out);
+    assert!(
+        s.contains("ugdr0") && s.contains("lid:") && s.contains("gid[0]:") && s.contains("ucx:"),
+        "{}",
+        text(&out)
+    );
+}
