@@ -484,8 +484,9 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
             };
         };
         if let Ok(engine) = Engine::get() {
-            engine.unregister_qp(shell.inner.qp_num);
             let locked = engine.worker.lock();
+            shell.inner.flush_ack(&locked);
+            engine.unregister_qp(shell.inner.qp_num);
             shell.inner.destroy(&locked);
         }
         // SAFETY: ours; the application gives it up here.

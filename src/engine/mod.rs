@@ -62,6 +62,13 @@ static ENGINE: OnceLock<Result<Engine, VerbsError>> = OnceLock::new();
 const BUSY_POLL_WINDOW: std::time::Duration = std::time::Duration::from_millis(1);
 const BUSY_POLL_THRESHOLD: u64 = 1024;
 
+/// An application that polls an empty CQ this many times in a row is not about to send: the
+/// ACKs it owes go out alone.
+const EMPTY_POLLS_PER_ACK_FLUSH: u64 = 8;
+
+/// How long an exiting process keeps progressing so that its last ACKs leave.
+const EXIT_DRAIN: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// How often the progress thread checks that local peers are alive.
 const PEER_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -159,6 +166,17 @@ impl Engine {
             return;
         }
         self.directory.release(&self.claim);
+        {
+            // What a HCA would still do for this process: acknowledge what it delivered.
+            let locked = self.worker.lock();
+            self.flush_owed_acks(&locked);
+            let until = std::time::Instant::now() + EXIT_DRAIN;
+            while locked.progress() > 0 || std::time::Instant::now() < until {
+                if std::time::Instant::now() >= until {
+                    break;
+                }
+            }
+        }
         self.worker.signal();
         let handle = self
             .progress_thread
@@ -267,12 +285,25 @@ impl Engine {
         Ok(peer.endpoint.transport_info(&locked))
     }
 
-    /// Progress from an application thread (ibv_poll_cq): skipped when another thread is
-    /// already progressing.
+    /// Progress from an application thread whose CQ was empty (ibv_poll_cq): skipped when
+    /// another thread is already progressing. Every few empty polls, the ACKs owed to peers
+    /// go out on their own (until then they ride on the application's next sends).
     pub fn progress_from_app(&self) {
-        self.app_polls.fetch_add(1, Ordering::Relaxed);
+        let polls = self.app_polls.fetch_add(1, Ordering::Relaxed);
         if let Some(locked) = self.worker.try_lock() {
             locked.progress();
+            if polls % EMPTY_POLLS_PER_ACK_FLUSH == EMPTY_POLLS_PER_ACK_FLUSH - 1 {
+                self.flush_owed_acks(&locked);
+            }
+        }
+    }
+
+    /// Sends every ACK a QP of this process owes its peer.
+    pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>) {
+        for qpn in crate::fake_verbs::qp::take_owed_acks() {
+            if let Some(qp) = self.qps.get(&qpn).map(|q| Arc::clone(q.value())) {
+                qp.flush_ack(locked);
+            }
         }
     }
 }
@@ -326,15 +357,22 @@ fn progress_loop(worker: &Worker, stopping: &AtomicBool, app_polls: &AtomicU64) 
     while !stopping.load(Ordering::Acquire) {
         let polls = app_polls.load(Ordering::Relaxed);
         if polls.wrapping_sub(polls_seen) >= BUSY_POLL_THRESHOLD {
-            // The application is spinning in ibv_poll_cq and progresses the worker itself.
+            // The application is spinning in ibv_poll_cq and progresses the worker itself; ACKs
+            // it owes still go out within a window even if it stops polling.
             polls_seen = polls;
             std::thread::sleep(BUSY_POLL_WINDOW);
+            if let (Some(engine), Some(locked)) = (Engine::running(), worker.try_lock()) {
+                engine.flush_owed_acks(&locked);
+            }
             continue;
         }
         polls_seen = polls;
         {
             let locked = worker.lock();
             while locked.progress() > 0 {}
+            if let Some(engine) = Engine::running() {
+                engine.flush_owed_acks(&locked);
+            }
             if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
                 last_peer_check = std::time::Instant::now();
                 if let Some(engine) = Engine::running() {

@@ -17,14 +17,17 @@
 //! | 24 | 8 | remote address (RDMA operations) |
 //! | 32 | 4 | rkey (RDMA operations) |
 //! | 36 | 4 | length (RDMA READ: bytes requested) |
+//! | 40 | 4 | piggybacked ACK: every message of the reverse direction up to this sequence number was delivered (valid with [`FLAG_ACK`]) |
 
 /// The active-message id all ugdr traffic uses.
 pub const AM_ID: u32 = 0x4755; // "GU"
 pub const VERSION: u8 = 1;
-pub const HEADER_LEN: usize = 40;
+pub const HEADER_LEN: usize = 44;
 
 pub const FLAG_SOLICITED: u8 = 1 << 0;
 pub const FLAG_IMM: u8 = 1 << 1;
+/// `ack_seq` carries a cumulative acknowledgement of the reverse direction.
+pub const FLAG_ACK: u8 = 1 << 2;
 
 /// Message kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +76,7 @@ pub struct Header {
     pub remote_addr: u64,
     pub rkey: u32,
     pub length: u32,
+    pub ack_seq: u32,
 }
 
 impl Header {
@@ -89,6 +93,7 @@ impl Header {
             remote_addr: 0,
             rkey: 0,
             length: 0,
+            ack_seq: 0,
         }
     }
 
@@ -106,6 +111,7 @@ impl Header {
         b[24..32].copy_from_slice(&self.remote_addr.to_le_bytes());
         b[32..36].copy_from_slice(&self.rkey.to_le_bytes());
         b[36..40].copy_from_slice(&self.length.to_le_bytes());
+        b[40..44].copy_from_slice(&self.ack_seq.to_le_bytes());
         b
     }
 
@@ -132,6 +138,7 @@ impl Header {
             remote_addr: u64::from_le_bytes(b[24..32].try_into().ok()?),
             rkey: u32_at(32),
             length: u32_at(36),
+            ack_seq: u32_at(40),
         })
     }
 }
@@ -154,6 +161,7 @@ mod tests {
         h.remote_addr = 0x1122334455667788;
         h.rkey = 0x99aabbcc;
         h.length = 4096;
+        h.ack_seq = 0x0bad_cafe;
         let b = h.encode();
         assert_eq!(b[0], VERSION);
         assert_eq!(Header::decode(&b), Some(h));

@@ -11,7 +11,7 @@ use super::work::{
 };
 use super::{VerbsError, device};
 use crate::engine::wire::{self, Header, Nak, Op};
-use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendDone, SendPayload};
+use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendPayload};
 use smallvec::SmallVec;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -168,7 +168,7 @@ enum Deferred {
 }
 
 struct Queues {
-    outbox: Vec<Deferred>,
+    outbox: SmallVec<[Deferred; 2]>,
     state: QpState,
     attrs: QpAttributes,
     peer: Option<Peer>,
@@ -182,6 +182,28 @@ struct Queues {
     waiting: VecDeque<Pending>,
     /// Receives whose data is still landing (rendezvous), completed in order.
     landing: VecDeque<Landing>,
+    /// The newest delivered sequence number the peer has not been told about; it rides on the
+    /// next message this QP sends, or goes alone when the engine flushes owed ACKs.
+    ack_owed: Option<u32>,
+    acks_unsent: u32,
+}
+
+/// At most this many delivered messages go unacknowledged before an ACK is sent at once.
+const ACK_BATCH: u32 = 16;
+
+/// QPs that owe their peer an ACK (by QP number), flushed by the engine when the application
+/// or the progress thread runs out of work ([`take_owed_acks`]).
+static OWED_ACKS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+static OWED_COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The QPs that owe an ACK, emptying the list (cheap when it is empty).
+pub fn take_owed_acks() -> Vec<u32> {
+    if OWED_COUNT.load(Ordering::Acquire) == 0 {
+        return Vec::new();
+    }
+    let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
+    OWED_COUNT.store(0, Ordering::Release);
+    std::mem::take(&mut *owed)
 }
 
 pub struct QueuePair {
@@ -232,7 +254,7 @@ impl QueuePair {
             local_lid,
             handle: AtomicUsize::new(0),
             queues: Mutex::new(Queues {
-                outbox: Vec::new(),
+                outbox: SmallVec::new(),
                 state: QpState::Reset,
                 attrs: QpAttributes {
                     port_num: device::PORT_NUM,
@@ -246,6 +268,8 @@ impl QueuePair {
                 early: BTreeMap::new(),
                 waiting: VecDeque::new(),
                 landing: VecDeque::new(),
+                ack_owed: None,
+                acks_unsent: 0,
             }),
         }))
     }
@@ -309,19 +333,25 @@ impl QueuePair {
         payload: SendPayload,
         data_seq: Option<u32>,
     ) {
-        let done: SendDone = match data_seq {
+        let result = match data_seq {
             Some(seq) => {
                 let me = Arc::clone(self);
-                Box::new(move |locked, result| {
-                    if let Err(e) = result {
-                        tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
-                        me.fail_send(locked, seq, WcStatus::RetryExcErr);
-                    }
-                })
+                endpoint.am_send(
+                    locked,
+                    wire::AM_ID,
+                    &header.encode(),
+                    payload,
+                    move |locked, result| {
+                        if let Err(e) = result {
+                            tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
+                            me.fail_send(locked, seq, WcStatus::RetryExcErr);
+                        }
+                    },
+                )
             }
-            None => Box::new(|_, _| {}),
+            None => endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, |_, _| {}),
         };
-        if let Err(e) = endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, done) {
+        if let Err(e) = result {
             tracing::debug!(
                 "qp {:#x}: cannot send {:?} seq {}: {e}",
                 self.qp_num,
@@ -434,6 +464,8 @@ impl QueuePair {
                 q.peer = None;
                 q.next_send_seq = 0;
                 q.expected_seq = 0;
+                q.ack_owed = None;
+                q.acks_unsent = 0;
                 q.attrs = QpAttributes {
                     port_num: device::PORT_NUM,
                     ..Default::default()
@@ -592,6 +624,11 @@ impl QueuePair {
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
+        if let Some(ack) = q.ack_owed.take() {
+            header.flags |= wire::FLAG_ACK;
+            header.ack_seq = ack;
+            q.acks_unsent = 0;
+        }
         q.outbox.push(Deferred::Send {
             endpoint: peer.endpoint,
             header,
@@ -640,15 +677,7 @@ impl QueuePair {
             return;
         }
         match Nak::from_raw(h.status) {
-            None => {
-                for e in q.sq.iter_mut() {
-                    if wire::seq_before(h.seq, e.seq) {
-                        break;
-                    }
-                    e.outcome.get_or_insert(WcStatus::Success);
-                }
-                self.release_send_completions(q);
-            }
+            None => self.apply_ack(q, h.seq),
             Some(nak) => {
                 for e in q.sq.iter_mut() {
                     if !wire::seq_before(e.seq, h.seq) {
@@ -663,6 +692,45 @@ impl QueuePair {
                 };
                 self.fail_entry(q, h.seq, status);
             }
+        }
+    }
+
+    /// Every send up to and including `seq` was delivered: complete them (in post order).
+    fn apply_ack(&self, q: &mut Queues, seq: u32) {
+        for e in q.sq.iter_mut() {
+            if wire::seq_before(seq, e.seq) {
+                break;
+            }
+            e.outcome.get_or_insert(WcStatus::Success);
+        }
+        self.release_send_completions(q);
+    }
+
+    /// Sends the ACK this QP owes, if any (the engine calls this when it flushes owed ACKs).
+    pub fn flush_ack(self: &Arc<Self>, locked: &LockedWorker<'_>) {
+        self.locked_then_send(locked, |q| {
+            if let Some(seq) = q.ack_owed.take() {
+                q.acks_unsent = 0;
+                self.send_ack(q, seq, None);
+            }
+        });
+    }
+
+    /// `seq` was delivered: acknowledge it with the next message, or now when many are owed.
+    fn acknowledge(&self, q: &mut Queues, seq: u32) {
+        let first = q.ack_owed.is_none();
+        q.ack_owed = Some(seq);
+        q.acks_unsent += 1;
+        if q.acks_unsent >= ACK_BATCH {
+            q.ack_owed = None;
+            q.acks_unsent = 0;
+            self.send_ack(q, seq, None);
+        } else if first {
+            OWED_ACKS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(self.qp_num);
+            OWED_COUNT.fetch_add(1, Ordering::AcqRel);
         }
     }
 
@@ -721,6 +789,12 @@ impl QueuePair {
 
     fn on_send_locked(self: &Arc<Self>, q: &mut Queues, h: Header, payload: AmPayload<'_>) -> bool {
         let connected = q.peer.as_ref().map(|p| p.qpn);
+        if h.flags & wire::FLAG_ACK != 0
+            && connected == Some(h.src_qpn)
+            && matches!(q.state, QpState::Rts | QpState::Sqd | QpState::Sqe)
+        {
+            self.apply_ack(q, h.ack_seq);
+        }
         match q.state {
             QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => {
                 if connected != Some(h.src_qpn) {
@@ -942,7 +1016,7 @@ impl QueuePair {
             last = Some(l.seq);
         }
         if let Some(seq) = last {
-            self.send_ack(q, seq, None);
+            self.acknowledge(q, seq);
         }
     }
 
@@ -950,7 +1024,7 @@ impl QueuePair {
         let solicited = h.flags & wire::FLAG_SOLICITED != 0;
         if q.landing.is_empty() {
             self.recv_cq.push(wc, solicited);
-            self.send_ack(q, h.seq, None);
+            self.acknowledge(q, h.seq);
         } else {
             q.landing.push_back(Landing {
                 seq: h.seq,

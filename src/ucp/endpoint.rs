@@ -128,45 +128,76 @@ impl Endpoint {
     /// Sends active message `id` with `header` and `payload`. The header is copied; payload
     /// spans must stay valid until `done` runs. When the send finishes inside this call,
     /// returns `SendState::Done` and does not call `done`.
-    pub fn am_send(
+    pub fn am_send<F>(
         &self,
         locked: &LockedWorker<'_>,
         id: u32,
         header: &[u8],
         payload: SendPayload,
-        done: SendDone,
-    ) -> Result<SendState, Error> {
+        done: F,
+    ) -> Result<SendState, Error>
+    where
+        F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
+    {
         let _ = locked; // the proof that the worker lock is held
+        let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match &payload {
+            SendPayload::None => SmallVec::new(),
+            SendPayload::Spans(spans) => spans
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| sys::ucp_dt_iov_t {
+                    buffer: s.as_ptr() as *mut c_void,
+                    length: s.len(),
+                })
+                .collect(),
+            SendPayload::Owned(bytes) if bytes.is_empty() => SmallVec::new(),
+            SendPayload::Owned(bytes) => SmallVec::from_elem(
+                sys::ucp_dt_iov_t {
+                    buffer: bytes.as_ptr() as *mut c_void,
+                    length: bytes.len(),
+                },
+                1,
+            ),
+        };
+        // Fast path: a send UCX can finish inside the call (small messages) needs nothing kept
+        // alive, so nothing is allocated for it.
+        let (datatype, buf, count) = buffer_of(&iov);
+        let immediate = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0,
+            datatype,
+            ..Default::default()
+        };
+        // SAFETY: lock held; header, iov and the payload they point to outlive the call, and
+        // with FORCE_IMM_CMPL UCX either completes inside it or fails without keeping them.
+        let ret = unsafe {
+            self.worker.api().ucp_am_send_nbx(
+                self.handle.as_ptr(),
+                id,
+                header.as_ptr() as *const c_void,
+                header.len(),
+                buf,
+                count,
+                &immediate,
+            )
+        };
+        if ret.is_null() {
+            return Ok(SendState::Done);
+        }
+        if ucs::ptr_is_err(ret) && ucs::ptr_status(ret) != sys::ucs_status_t::UCS_ERR_NO_RESOURCE {
+            return Err(Error::from_status(ucs::ptr_status(ret)));
+        }
+        // Slow path: keep header, iov and owned bytes in a request the callback frees.
         let mut req = Box::new(SendRequest {
             worker: Arc::as_ptr(&self.worker),
             header: SmallVec::from_slice(header),
-            iov: SmallVec::new(),
-            _owned: Vec::new(),
-            done: Some(done),
+            iov,
+            _owned: match payload {
+                SendPayload::Owned(bytes) => bytes,
+                _ => Vec::new(),
+            },
+            done: Some(Box::new(done)),
         });
-        match payload {
-            SendPayload::None => {}
-            SendPayload::Spans(spans) => {
-                req.iov.extend(
-                    spans
-                        .iter()
-                        .filter(|s| !s.is_empty())
-                        .map(|s| sys::ucp_dt_iov_t {
-                            buffer: s.as_ptr() as *mut c_void,
-                            length: s.len(),
-                        }),
-                );
-            }
-            SendPayload::Owned(bytes) => {
-                if !bytes.is_empty() {
-                    req.iov.push(sys::ucp_dt_iov_t {
-                        buffer: bytes.as_ptr() as *mut c_void,
-                        length: bytes.len(),
-                    });
-                }
-                req._owned = bytes;
-            }
-        }
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
@@ -174,12 +205,12 @@ impl Endpoint {
             cb: sys::ucp_request_param_t__bindgen_ty_1 {
                 send: Some(send_callback),
             },
-            datatype: ucs::dt_make_iov(),
             user_data: &mut *req as *mut SendRequest as *mut c_void,
             ..Default::default()
         };
+        let (datatype, buf, count) = buffer_of(&req.iov);
+        let param = sys::ucp_request_param_t { datatype, ..param };
         let (hdr, hdr_len) = (req.header.as_ptr() as *const c_void, req.header.len());
-        let (buf, count) = (req.iov.as_ptr() as *const c_void, req.iov.len());
         // SAFETY: lock held; header and iov live in `req`, which is leaked to the callback when
         // the send is pending; payload spans are valid per SendPayload's contract.
         let ret = unsafe {
@@ -201,6 +232,24 @@ impl Endpoint {
         } else {
             Ok(SendState::Done)
         }
+    }
+}
+
+/// UCX's buffer description for a gather list: one segment goes as a contiguous buffer (so
+/// small messages can use UCX's short protocol, which IOVs cannot), several as an IOV.
+pub(crate) fn buffer_of(iov: &[sys::ucp_dt_iov_t]) -> (sys::ucp_datatype_t, *const c_void, usize) {
+    match iov {
+        [] => (ucs::dt_make_contig(1), std::ptr::null(), 0),
+        [one] => (
+            ucs::dt_make_contig(1),
+            one.buffer as *const c_void,
+            one.length,
+        ),
+        many => (
+            ucs::dt_make_iov(),
+            many.as_ptr() as *const c_void,
+            many.len(),
+        ),
     }
 }
 

@@ -413,11 +413,12 @@ impl<'w> LockedWorker<'w> {
             cb: sys::ucp_request_param_t__bindgen_ty_1 {
                 recv_am: Some(receive_callback),
             },
-            datatype: ucs::dt_make_iov(),
             user_data: &mut *req as *mut ReceiveRequest as *mut c_void,
             ..Default::default()
         };
-        let (buf, count) = (req.iov.as_ptr() as *mut c_void, req.iov.len());
+        let (datatype, buf, count) = super::endpoint::buffer_of(&req.iov);
+        let param = sys::ucp_request_param_t { datatype, ..param };
+        let buf = buf as *mut c_void;
         // SAFETY: lock held; `data` is a rendezvous descriptor from this worker, consumed here;
         // the iov array lives in `req` (leaked to the callback when pending) and the spans it
         // names are registered memory (AppSpan's contract).
