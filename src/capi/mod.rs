@@ -5,6 +5,7 @@
 pub(crate) mod boundary;
 mod ibv_cq;
 mod ibv_device;
+mod ibv_not_yet;
 mod ibv_pd_mr;
 mod ibv_qp;
 pub(crate) mod layout;

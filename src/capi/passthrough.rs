@@ -8,13 +8,12 @@
 
 use crate::sys::*;
 use std::os::raw::{c_int, c_void};
-use std::sync::OnceLock;
 
 macro_rules! real_functions {
     ($($name:ident @ $ver:literal : fn($($arg:ty),*) -> $ret:ty;)*) => {$(
         /// The real libibverbs function of this name and version, if libibverbs is loaded.
         pub(crate) fn $name() -> Option<unsafe extern "C" fn($($arg),*) -> $ret> {
-            static ADDR: OnceLock<usize> = OnceLock::new();
+            static ADDR: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
             let addr = *ADDR.get_or_init(|| {
                 let name = concat!(stringify!($name), "\0");
                 let ver = concat!($ver, "\0");
@@ -30,6 +29,8 @@ macro_rules! real_functions {
         }
     )*};
 }
+
+pub(crate) use real_functions;
 
 real_functions! {
     ibv_get_device_list @ "IBVERBS_1.1": fn(*mut c_int) -> *mut *mut ibv_device;

@@ -209,6 +209,9 @@ pub fn run_pingpong(
 pub struct NetnsPair {
     pub a: String,
     pub b: String,
+    /// A copy of libugdr.so outside /tmp, /dev/shm and /run, which the sides mount over
+    /// (the checkout itself may live under /tmp).
+    lib_dir: PathBuf,
 }
 
 pub const ADDR_A: &str = "10.199.0.1";

@@ -1,0 +1,124 @@
+//! Verbs ugdr does not carry yet (SRQ, address handles, multicast, re-registration, ECE,
+//! dma-buf MRs). Each is exported all the same: given one of ugdr's objects it fails as a
+//! device without the feature does (NULL/errno EOPNOTSUPP, or EOPNOTSUPP), instead of letting
+//! the real libibverbs read ugdr's objects as its own; given a real library's object it
+//! forwards to the real function (by exact version node).
+
+use super::boundary::{Fallback, ffi_boundary};
+use super::layout::owned_context;
+use super::passthrough::real_functions;
+use crate::sys::*;
+use std::os::raw::{c_int, c_void};
+
+/// The real library's functions of the same names.
+mod real {
+    use super::*;
+
+    real_functions! {
+    ibv_create_srq @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_srq_init_attr) -> *mut ibv_srq;
+    ibv_modify_srq @ "IBVERBS_1.1": fn(*mut ibv_srq, *mut ibv_srq_attr, c_int) -> c_int;
+    ibv_query_srq @ "IBVERBS_1.1": fn(*mut ibv_srq, *mut ibv_srq_attr) -> c_int;
+    ibv_destroy_srq @ "IBVERBS_1.1": fn(*mut ibv_srq) -> c_int;
+    ibv_create_ah @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_ah_attr) -> *mut ibv_ah;
+    ibv_destroy_ah @ "IBVERBS_1.1": fn(*mut ibv_ah) -> c_int;
+    ibv_init_ah_from_wc @ "IBVERBS_1.1": fn(*mut ibv_context, u8, *mut ibv_wc, *mut ibv_grh, *mut ibv_ah_attr) -> c_int;
+    ibv_create_ah_from_wc @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_wc, *mut ibv_grh, u8) -> *mut ibv_ah;
+    ibv_attach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
+    ibv_detach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
+    ibv_rereg_mr @ "IBVERBS_1.1": fn(*mut ibv_mr, c_int, *mut ibv_pd, *mut c_void, usize, c_int) -> c_int;
+    ibv_query_ece @ "IBVERBS_1.10": fn(*mut ibv_qp, *mut ibv_ece) -> c_int;
+    ibv_set_ece @ "IBVERBS_1.10": fn(*mut ibv_qp, *mut ibv_ece) -> c_int;
+    ibv_reg_dmabuf_mr @ "IBVERBS_1.12": fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr;
+    }
+}
+
+/// Defines an export whose first argument is an object with a `context` field (`$ctx` reads
+/// it): ugdr's → `$ours`; another library's → the real function; NULL → EINVAL.
+macro_rules! not_yet {
+    ($(#[$doc:meta])* $name:ident($first:ident: $fty:ty $(, $arg:ident: $ty:ty)*) -> $ret:ty, context = $ctx:expr, ours = $ours:expr;) => {
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($first: $fty $(, $arg: $ty)*) -> $ret {
+            ffi_boundary!(stringify!($name), {
+                if $first.is_null() {
+                    return <$ret>::fail(libc::EINVAL);
+                }
+                #[allow(unused_unsafe)]
+                // SAFETY: a valid object of the real library or of ugdr: its context field is readable.
+                let context = unsafe { $ctx };
+                // SAFETY: owned_context only compares the pointer against ugdr's registry.
+                if unsafe { owned_context(context) }.is_some() {
+                    tracing::debug!("{}: not supported by ugdr yet", stringify!($name));
+                    return $ours;
+                }
+                match real::$name() {
+                    // SAFETY: not ugdr's object, so the real library's.
+                    Some(real) => unsafe { real($first $(, $arg)*) },
+                    None => <$ret>::fail(libc::EINVAL),
+                }
+            })
+        }
+    };
+}
+
+not_yet! {
+    /// Shared receive queues: not yet (NULL, errno EOPNOTSUPP).
+    ibv_create_srq(pd: *mut ibv_pd, attr: *mut ibv_srq_init_attr) -> *mut ibv_srq,
+    context = (*pd).context, ours = <*mut ibv_srq>::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    ibv_modify_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr, mask: c_int) -> c_int,
+    context = (*srq).context, ours = c_int::fail(libc::EINVAL);
+}
+not_yet! {
+    ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -> c_int,
+    context = (*srq).context, ours = c_int::fail(libc::EINVAL);
+}
+not_yet! {
+    ibv_destroy_srq(srq: *mut ibv_srq) -> c_int,
+    context = (*srq).context, ours = c_int::fail(libc::EINVAL);
+}
+not_yet! {
+    /// Address handles (UD): not yet (NULL, errno EOPNOTSUPP).
+    ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah,
+    context = (*pd).context, ours = <*mut ibv_ah>::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    ibv_destroy_ah(ah: *mut ibv_ah) -> c_int,
+    context = (*ah).context, ours = c_int::fail(libc::EINVAL);
+}
+not_yet! {
+    ibv_init_ah_from_wc(ctx: *mut ibv_context, port: u8, wc: *mut ibv_wc, grh: *mut ibv_grh, attr: *mut ibv_ah_attr) -> c_int,
+    context = ctx, ours = c_int::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    ibv_create_ah_from_wc(pd: *mut ibv_pd, wc: *mut ibv_wc, grh: *mut ibv_grh, port: u8) -> *mut ibv_ah,
+    context = (*pd).context, ours = <*mut ibv_ah>::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    /// Multicast (UD): not yet.
+    ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,
+    context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    ibv_detach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,
+    context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    /// Re-registration: not yet (deregister and register again).
+    ibv_rereg_mr(mr: *mut ibv_mr, flags: c_int, pd: *mut ibv_pd, addr: *mut c_void, length: usize, access: c_int) -> c_int,
+    context = (*mr).context, ours = c_int::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    ibv_query_ece(qp: *mut ibv_qp, ece: *mut ibv_ece) -> c_int,
+    context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    ibv_set_ece(qp: *mut ibv_qp, ece: *mut ibv_ece) -> c_int,
+    context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);
+}
+not_yet! {
+    /// dma-buf memory (GPU memory through a dma-buf fd): not available.
+    ibv_reg_dmabuf_mr(pd: *mut ibv_pd, offset: u64, length: usize, iova: u64, fd: c_int, access: c_int) -> *mut ibv_mr,
+    context = (*pd).context, ours = <*mut ibv_mr>::fail(libc::EOPNOTSUPP);
+}
