@@ -929,3 +929,53 @@ fn same_device_pointer_in_every_list_and_distinct_lids_per_process() {
         ibv_free_device_list(l2);
     }
 }
+
+#[test]
+fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects() {
+    unsafe extern "C" {
+        fn ibv_create_srq(pd: *mut ibv_pd, attr: *mut ibv_srq_init_attr) -> *mut ibv_srq;
+        fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah;
+        fn ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int;
+        fn ibv_rereg_mr(
+            mr: *mut ibv_mr,
+            flags: c_int,
+            pd: *mut ibv_pd,
+            addr: *mut std::ffi::c_void,
+            len: usize,
+            access: c_int,
+        ) -> c_int;
+    }
+    let dev = Device::open();
+    let cq = dev.cq(4);
+    let qp = dev.rc_qp(cq, cq, 2);
+    let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
+    unsafe {
+        let mut sattr = ibv_srq_init_attr {
+            attr: ibv_srq_attr {
+                max_wr: 4,
+                max_sge: 1,
+                srq_limit: 0,
+            },
+            ..Default::default()
+        };
+        assert!(ibv_create_srq(dev.pd, &mut sattr).is_null());
+        assert_eq!(errno(), libc::EOPNOTSUPP);
+        let mut ah = ibv_ah_attr {
+            dlid: dev.lid,
+            port_num: 1,
+            ..Default::default()
+        };
+        assert!(ibv_create_ah(dev.pd, &mut ah).is_null());
+        assert_eq!(errno(), libc::EOPNOTSUPP);
+        let gid = ibv_gid::default();
+        assert_eq!(ibv_attach_mcast(qp, &gid, 0xc001), libc::EOPNOTSUPP);
+        assert_eq!(
+            ibv_rereg_mr(buf.mr, 0, null_mut(), null_mut(), 0, 0),
+            libc::EOPNOTSUPP
+        );
+        assert!(ibv_create_srq(null_mut(), &mut sattr).is_null());
+        assert_eq!(errno(), libc::EINVAL);
+        ibv_destroy_qp(qp);
+        ibv_destroy_cq(cq);
+    }
+}

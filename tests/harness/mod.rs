@@ -230,9 +230,13 @@ impl NetnsPair {
         require("ip");
         require("unshare");
         let id = format!("{}{}", tag, std::process::id() % 100_000);
+        let lib_dir = PathBuf::from(format!("/var/tmp/ugdr-netns-{id}"));
+        std::fs::create_dir_all(&lib_dir).expect("create /var/tmp dir");
+        std::fs::copy(lib_path(), lib_dir.join("libugdr.so")).expect("copy libugdr.so");
         let pair = NetnsPair {
             a: format!("ugdrA{id}"),
             b: format!("ugdrB{id}"),
+            lib_dir,
         };
         let out = Command::new("bash")
             .arg(script())
@@ -256,7 +260,7 @@ impl NetnsPair {
                 "exec",
                 ns,
                 "env",
-                &format!("LD_PRELOAD={}", lib_path().display()),
+                &format!("LD_PRELOAD={}", self.lib_dir.join("libugdr.so").display()),
                 &require(program),
             ])
             .args(args);
@@ -310,6 +314,7 @@ impl Drop for NetnsPair {
             .arg(script())
             .args(["down", &self.a, &self.b])
             .output();
+        let _ = std::fs::remove_dir_all(&self.lib_dir);
     }
 }
 
