@@ -30,6 +30,8 @@ const UCX_FUNCTIONS: &[&str] = &[
     "ucp_ep_create",
     "ucp_ep_close_nbx",
     "ucp_ep_print_info",
+    "ucp_worker_print_info",
+    "ucp_context_print_info",
     "ucp_am_send_nbx",
     "ucp_am_recv_data_nbx",
     "ucp_am_data_release",

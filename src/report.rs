@@ -42,15 +42,20 @@ pub fn describe(engine: &Engine) -> String {
         "ucx:           {}",
         crate::ucp::ucx_version().unwrap_or_default()
     );
-    match engine.loopback_transports() {
-        Ok(t) => {
-            let _ = writeln!(out, "ucx transports to a peer on this host:");
-            for line in t.lines().filter(|l| !l.trim().is_empty()) {
-                let _ = writeln!(out, "  {line}");
-            }
-        }
-        Err(e) => {
-            let _ = writeln!(out, "ucx transports: unknown ({e})");
+    let _ = writeln!(
+        out,
+        "ucx transports offered to peers (UCX picks among them per peer; shared memory and cma on one host, tcp across hosts):"
+    );
+    for line in engine
+        .transports()
+        .lines()
+        .map(|l| l.trim_start_matches('#').trim())
+    {
+        if line.starts_with("resource")
+            || line.starts_with("atomics")
+            || line.starts_with("address")
+        {
+            let _ = writeln!(out, "  {line}");
         }
     }
     out

@@ -979,3 +979,19 @@ fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects() {
         ibv_destroy_cq(cq);
     }
 }
+
+#[test]
+fn ucx_runs_without_its_infiniband_modules() {
+    let _dev = Device::open(); // starts UCX
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    assert!(
+        maps.contains("libucp.so"),
+        "UCX should be loaded once a device is open"
+    );
+    for module in ["libuct_ib", "libuct_rdmacm", "librdmacm", "libibverbs"] {
+        assert!(
+            !maps.contains(module),
+            "{module} was loaded: UCX's own verbs would bind to ugdr"
+        );
+    }
+}

@@ -308,34 +308,14 @@ unsafe extern "C" fn endpoint_error_callback(
 
 impl Endpoint {
     /// UCX's description of the lanes and transports this endpoint uses
-    /// (`ucp_ep_print_info`), for `ugdr info` and debugging.
+    /// (`ucp_ep_print_info`), for debugging.
     pub fn transport_info(&self, locked: &LockedWorker<'_>) -> String {
         let _ = locked;
-        // SAFETY: tmpfile returns a FILE* or NULL; closed below.
-        let file = unsafe { libc::tmpfile() };
-        if file.is_null() {
-            return String::new();
-        }
-        // SAFETY: lock held; `file` is a valid FILE* that UCX writes to.
-        unsafe {
+        // SAFETY: lock held; UCX writes to the stream it is given.
+        super::worker::capture_stream(|file| unsafe {
             self.worker
                 .api()
-                .ucp_ep_print_info(self.handle.as_ptr(), file.cast())
-        };
-        let mut out = Vec::new();
-        // SAFETY: rewind and read back what UCX wrote, then close the FILE* once.
-        unsafe {
-            libc::rewind(file);
-            let mut buf = [0u8; 4096];
-            loop {
-                let n = libc::fread(buf.as_mut_ptr().cast(), 1, buf.len(), file);
-                if n == 0 {
-                    break;
-                }
-                out.extend_from_slice(&buf[..n]);
-            }
-            libc::fclose(file);
-        }
-        String::from_utf8_lossy(&out).into_owned()
+                .ucp_ep_print_info(self.handle.as_ptr(), file)
+        })
     }
 }

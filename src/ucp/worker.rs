@@ -346,6 +346,22 @@ impl<'w> LockedWorker<'w> {
         unsafe { self.worker.api().ucp_worker_progress(self.worker.raw()) }
     }
 
+    /// UCX's description of this worker: its address and the transports (devices) it offers
+    /// peers (`ucp_worker_print_info`).
+    pub fn info(&self) -> String {
+        let ctx = self.worker.context.handle.as_ptr();
+        // SAFETY: lock held; the context outlives the worker; UCX writes to the given stream.
+        let resources =
+            capture_stream(|file| unsafe { self.worker.api().ucp_context_print_info(ctx, file) });
+        // SAFETY: as above.
+        let worker = capture_stream(|file| unsafe {
+            self.worker
+                .api()
+                .ucp_worker_print_info(self.worker.raw(), file)
+        });
+        resources + &worker
+    }
+
     /// Arms the event fd; `false` means events are pending (progress again before sleeping).
     pub fn arm(&self) -> bool {
         // SAFETY: lock held.
@@ -463,6 +479,31 @@ unsafe extern "C" fn receive_callback(
         // SAFETY: the request handle was returned by ucp_am_recv_data_nbx and is freed once.
         unsafe { worker.api().ucp_request_free(request) };
     }));
+}
+
+/// Runs `print` with a temporary `FILE*` and returns what it wrote (UCX's `*_print_info`).
+pub(crate) fn capture_stream(print: impl FnOnce(*mut sys::FILE)) -> String {
+    // SAFETY: tmpfile returns a FILE* or NULL; closed below.
+    let file = unsafe { libc::tmpfile() };
+    if file.is_null() {
+        return String::new();
+    }
+    print(file.cast());
+    let mut out = Vec::new();
+    // SAFETY: rewind and read back what was written, then close the FILE* once.
+    unsafe {
+        libc::rewind(file);
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = libc::fread(buf.as_mut_ptr().cast(), 1, buf.len(), file);
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        libc::fclose(file);
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Blocks until one of `fds` is readable or `timeout_ms` passes (-1: no timeout).
