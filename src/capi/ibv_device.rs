@@ -9,6 +9,7 @@ use crate::fake_verbs::context::{DeviceContext, EVENT_CQ_ERR, EVENT_QP_FATAL};
 use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
 use dashmap::DashMap;
+use rustc_hash::FxBuildHasher;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_char, c_int, c_uint};
 use std::ptr::{self, null_mut};
@@ -54,7 +55,7 @@ fn attributes() -> DeviceAttributes {
 }
 
 /// Device lists ugdr handed out → the real library's list they embed (0 if none).
-static LISTS: LazyLock<DashMap<usize, usize>> = LazyLock::new(DashMap::new);
+static LISTS: LazyLock<DashMap<usize, usize, FxBuildHasher>> = LazyLock::new(DashMap::default);
 
 /// ugdr's device first, then any real devices (so a host with HCAs keeps them usable).
 #[unsafe(no_mangle)]

@@ -11,6 +11,7 @@ use crate::fake_verbs::qp::QueuePair;
 use crate::fake_verbs::work::{SendRequest, WorkCompletion};
 use crate::sys::*;
 use dashmap::DashSet;
+use rustc_hash::FxBuildHasher;
 use std::cell::UnsafeCell;
 use std::mem::offset_of;
 use std::sync::{Arc, LazyLock};
@@ -47,7 +48,7 @@ pub(crate) struct ContextShell {
 }
 
 /// The `ibv_context` pointers ugdr handed out (the ownership test for pass-through).
-static CONTEXTS: LazyLock<DashSet<usize>> = LazyLock::new(DashSet::new);
+static CONTEXTS: LazyLock<DashSet<usize, FxBuildHasher>> = LazyLock::new(DashSet::default);
 
 impl ContextShell {
     /// Publishes the shell; the application gets `&vctx.context`.
@@ -162,7 +163,8 @@ pub(crate) struct WrBatch {
 }
 
 /// The channels ugdr created (the ownership test for `ibv_get_cq_event` pass-through).
-pub(crate) static CHANNELS: LazyLock<DashSet<usize>> = LazyLock::new(DashSet::new);
+pub(crate) static CHANNELS: LazyLock<DashSet<usize, FxBuildHasher>> =
+    LazyLock::new(DashSet::default);
 
 /// `obj->context` of an rdma-core object, if that context is ugdr's.
 ///

@@ -24,6 +24,7 @@ use crate::fake_verbs::work::WcStatus;
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
 use address::{Directory, HostNetwork, LidClaim, Resolved};
 use dashmap::DashMap;
+use rustc_hash::FxBuildHasher;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -37,7 +38,7 @@ pub struct Engine {
     claim: LidClaim,
     /// Endpoints by remote worker address; a failed endpoint is replaced on next use.
     endpoints: Mutex<HashMap<Vec<u8>, PeerProcess>>,
-    qps: DashMap<u32, Arc<QueuePair>>,
+    qps: DashMap<u32, Arc<QueuePair>, FxBuildHasher>,
     next_qpn: AtomicU32,
     pub query_service: Result<u16, String>,
     stopping: Arc<AtomicBool>,
@@ -149,7 +150,7 @@ impl Engine {
             directory,
             claim,
             endpoints: Mutex::new(HashMap::new()),
-            qps: DashMap::new(),
+            qps: DashMap::default(),
             next_qpn: AtomicU32::new(seed.max(0x100)),
             query_service,
             stopping,

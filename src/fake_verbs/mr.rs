@@ -5,6 +5,7 @@ use super::pd::ProtectionDomain;
 use super::work::Sge;
 use crate::ucp::{AppRegion, AppSpan};
 use dashmap::DashMap;
+use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -39,7 +40,8 @@ pub struct MemoryRegion {
 }
 
 /// Every live MR of the process, by key (lkey == rkey).
-static REGIONS: LazyLock<DashMap<u32, Arc<MemoryRegion>>> = LazyLock::new(DashMap::new);
+static REGIONS: LazyLock<DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>> =
+    LazyLock::new(DashMap::default);
 static NEXT_KEY: AtomicU32 = AtomicU32::new(0);
 
 fn next_key() -> u32 {

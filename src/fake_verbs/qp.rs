@@ -167,6 +167,14 @@ enum Deferred {
     Release(AmData),
 }
 
+/// A data message `post_send` sends once the queue lock is released.
+struct DataMessage {
+    endpoint: Arc<Endpoint>,
+    header: Header,
+    payload: SendPayload,
+    seq: u32,
+}
+
 struct Queues {
     outbox: SmallVec<[Deferred; 2]>,
     state: QpState,
@@ -295,6 +303,9 @@ impl QueuePair {
         let (result, outbox) = {
             let mut q = self.queues();
             let r = f(&mut q);
+            if q.outbox.is_empty() {
+                return r;
+            }
             (r, std::mem::take(&mut q.outbox))
         };
         for work in outbox {
@@ -543,10 +554,26 @@ impl QueuePair {
         locked: &LockedWorker<'_>,
         req: SendRequest,
     ) -> Result<(), VerbsError> {
-        self.locked_then_send(locked, |q| self.post_send_locked(q, req))
+        // The message itself is sent straight from here (the hot path), the queue lock
+        // released; anything else the post queued goes through the outbox.
+        let message = self.locked_then_send(locked, |q| self.post_send_locked(q, req))?;
+        if let Some(DataMessage {
+            endpoint,
+            header,
+            payload,
+            seq,
+        }) = message
+        {
+            self.start_send(locked, &endpoint, &header, payload, Some(seq));
+        }
+        Ok(())
     }
 
-    fn post_send_locked(&self, q: &mut Queues, req: SendRequest) -> Result<(), VerbsError> {
+    fn post_send_locked(
+        &self,
+        q: &mut Queues,
+        req: SendRequest,
+    ) -> Result<Option<DataMessage>, VerbsError> {
         match q.state {
             QpState::Rts | QpState::Sqd => {}
             QpState::Err | QpState::Sqe => {
@@ -558,7 +585,7 @@ impl QueuePair {
                 );
                 wc.byte_len = 0;
                 self.send_cq.push(wc, true);
-                return Ok(());
+                return Ok(None);
             }
             _ => return Err(VerbsError::Invalid("post_send on a QP that is not in RTS")),
         }
@@ -608,13 +635,13 @@ impl QueuePair {
                         req.wr_id
                     );
                     self.fail_entry(q, seq, WcStatus::LocProtErr);
-                    return Ok(());
+                    return Ok(None);
                 }
             },
         };
         let Some(peer) = q.peer.clone() else {
             self.fail_entry(q, seq, WcStatus::RetryExcErr);
-            return Ok(());
+            return Ok(None);
         };
         let mut header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
         if req.opcode == SendOpcode::SendWithImm {
@@ -629,13 +656,12 @@ impl QueuePair {
             header.ack_seq = ack;
             q.acks_unsent = 0;
         }
-        q.outbox.push(Deferred::Send {
+        Ok(Some(DataMessage {
             endpoint: peer.endpoint,
             header,
             payload,
-            data_seq: Some(seq),
-        });
-        Ok(())
+            seq,
+        }))
     }
 
     fn fail_entry(&self, q: &mut Queues, seq: u32, status: WcStatus) {
