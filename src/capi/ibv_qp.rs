@@ -63,6 +63,23 @@ struct CreateQp {
     sq_sig_all: bool,
 }
 
+/// The common fields of `ibv_qp_init_attr` and `ibv_qp_init_attr_ex` (the first is a prefix
+/// of the second).
+macro_rules! create_args {
+    ($pd:expr, $a:expr) => {
+        CreateQp {
+            pd: $pd,
+            qp_context: $a.qp_context,
+            send_cq: $a.send_cq,
+            recv_cq: $a.recv_cq,
+            srq: $a.srq,
+            cap: $a.cap,
+            qp_type: $a.qp_type.0,
+            sq_sig_all: $a.sq_sig_all != 0,
+        }
+    };
+}
+
 fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
     // SAFETY: callers pass a PD whose context is ours (checked) or NULL.
     let pd_shell = unsafe { PdShell::from_raw(args.pd) }.ok_or(VerbsError::Invalid("pd"))?;
@@ -156,16 +173,7 @@ pub unsafe extern "C" fn ibv_create_qp(
         }
         // SAFETY: the caller's attribute struct, checked non-NULL.
         let a = unsafe { &mut *attr };
-        let args = CreateQp {
-            pd,
-            qp_context: a.qp_context,
-            send_cq: a.send_cq,
-            recv_cq: a.recv_cq,
-            srq: a.srq,
-            cap: a.cap,
-            qp_type: a.qp_type.0,
-            sq_sig_all: a.sq_sig_all != 0,
-        };
+        let args = create_args!(pd, a);
         match create_qp(&args) {
             Ok((qp, cap)) => {
                 a.cap = cap;
@@ -209,16 +217,7 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         if unsafe { (*a.pd).context } != ctx {
             return <*mut ibv_qp>::fail(libc::EINVAL);
         }
-        let args = CreateQp {
-            pd: a.pd,
-            qp_context: a.qp_context,
-            send_cq: a.send_cq,
-            recv_cq: a.recv_cq,
-            srq: a.srq,
-            cap: a.cap,
-            qp_type: a.qp_type.0,
-            sq_sig_all: a.sq_sig_all != 0,
-        };
+        let args = create_args!(a.pd, a);
         match create_qp(&args) {
             Ok((qp, cap)) => {
                 a.cap = cap;

@@ -176,22 +176,18 @@ pub fn listening(port: u16, proc_net_tcp: &str) -> bool {
     })
 }
 
-/// Starts `server`, waits (via /proc/net/tcp, without connecting) until it listens on
-/// `port`, then runs `client`.
-pub fn run_pingpong(
+/// Starts `server`, waits until `listening(port)` (read from /proc, without connecting, so
+/// servers that accept exactly one client are not disturbed), then runs `client`.
+fn run_server_client(
     server: Command,
     client: Command,
     port: u16,
     timeout: Duration,
+    listening: impl Fn(u16) -> bool,
 ) -> (Output, Output) {
     let deadline = Instant::now() + timeout;
     let mut srv = Guarded::spawn(server, "server");
-    loop {
-        let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
-            + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-        if listening(port, &tcp) {
-            break;
-        }
+    while !listening(port) {
         srv.assert_running();
         assert!(
             Instant::now() < deadline,
@@ -199,10 +195,23 @@ pub fn run_pingpong(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let cli = Guarded::spawn(client, "client");
-    let c = cli.wait(deadline);
+    let c = Guarded::spawn(client, "client").wait(deadline);
     let s = srv.wait(deadline);
     (s, c)
+}
+
+/// Server and client on this host.
+pub fn run_pingpong(
+    server: Command,
+    client: Command,
+    port: u16,
+    timeout: Duration,
+) -> (Output, Output) {
+    run_server_client(server, client, port, timeout, |p| {
+        let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
+            + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+        listening(p, &tcp)
+    })
 }
 
 /// Two network namespaces joined by veth (10.199.0.1/24 and 10.199.0.2/24), removed on drop.
@@ -292,19 +301,9 @@ impl NetnsPair {
         port: u16,
         timeout: Duration,
     ) -> (Output, Output) {
-        let deadline = Instant::now() + timeout;
-        let mut srv = Guarded::spawn(server, "server (namespace A)");
-        while !self.listening(&self.a, port) {
-            srv.assert_running();
-            assert!(
-                Instant::now() < deadline,
-                "server never listened on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let c = Guarded::spawn(client, "client (namespace B)").wait(deadline);
-        let s = srv.wait(deadline);
-        (s, c)
+        run_server_client(server, client, port, timeout, |p| {
+            self.listening(&self.a, p)
+        })
     }
 }
 
