@@ -651,9 +651,9 @@ fn extended_send_path_posts_like_post_send() {
         (*qpx).wr_send.unwrap()(qpx);
         (*qpx).wr_set_sge.unwrap()(qpx, src.lkey(), src.addr(), 4);
         (*qpx).wr_abort.unwrap()(qpx);
-        // A builder for an opcode this QP does not carry fails the batch.
+        // A builder for an opcode ugdr does not carry fails the batch.
         (*qpx).wr_start.unwrap()(qpx);
-        (*qpx).wr_rdma_write.unwrap()(qpx, 1, 0);
+        (*qpx).wr_local_inv.unwrap()(qpx, 1);
         assert_eq!((*qpx).wr_complete.unwrap()(qpx), libc::EINVAL);
     }
     let r = poll_n(lb.cq_b, 3);

@@ -23,7 +23,12 @@ const SEND_INLINE: u32 = ibv_send_flags::IBV_SEND_INLINE.0;
 
 /// The send opcodes ugdr's RC QPs carry, as `ibv_qp_create_send_ops_flags`.
 const SUPPORTED_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0
-    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0)
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD.0)
     as u64;
 const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
     | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
@@ -711,6 +716,76 @@ unsafe extern "C" fn wr_send(qp: *mut ibv_qp_ex) {
     })
 }
 
+/// A one-sided request of the `ibv_wr_*` API.
+fn push_remote(
+    qp: *mut ibv_qp_ex,
+    opcode: SendOpcode,
+    rkey: u32,
+    remote_addr: u64,
+    fill: impl FnOnce(&mut SendRequest),
+) {
+    // SAFETY: see `batch`.
+    let (_, b) = unsafe { batch(qp) };
+    let mut r = new_request(qp, opcode);
+    r.rkey = rkey;
+    r.remote_addr = remote_addr;
+    fill(&mut r);
+    b.requests.push(r);
+}
+
+unsafe extern "C" fn wr_rdma_write(qp: *mut ibv_qp_ex, rkey: u32, remote_addr: u64) {
+    ffi_boundary!("ibv_wr_rdma_write", {
+        push_remote(qp, SendOpcode::RdmaWrite, rkey, remote_addr, |_| {})
+    })
+}
+
+unsafe extern "C" fn wr_rdma_write_imm(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    remote_addr: u64,
+    imm_data: __be32,
+) {
+    ffi_boundary!("ibv_wr_rdma_write_imm", {
+        push_remote(qp, SendOpcode::RdmaWriteWithImm, rkey, remote_addr, |r| {
+            r.imm_data = imm_data
+        })
+    })
+}
+
+unsafe extern "C" fn wr_rdma_read(qp: *mut ibv_qp_ex, rkey: u32, remote_addr: u64) {
+    ffi_boundary!("ibv_wr_rdma_read", {
+        push_remote(qp, SendOpcode::RdmaRead, rkey, remote_addr, |_| {})
+    })
+}
+
+unsafe extern "C" fn wr_atomic_fetch_add(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    remote_addr: u64,
+    add: u64,
+) {
+    ffi_boundary!("ibv_wr_atomic_fetch_add", {
+        push_remote(qp, SendOpcode::AtomicFetchAndAdd, rkey, remote_addr, |r| {
+            r.compare_add = add
+        })
+    })
+}
+
+unsafe extern "C" fn wr_atomic_cmp_swp(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    remote_addr: u64,
+    compare: u64,
+    swap: u64,
+) {
+    ffi_boundary!("ibv_wr_atomic_cmp_swp", {
+        push_remote(qp, SendOpcode::AtomicCmpAndSwp, rkey, remote_addr, |r| {
+            r.compare_add = compare;
+            r.swap = swap;
+        })
+    })
+}
+
 unsafe extern "C" fn wr_send_imm(qp: *mut ibv_qp_ex, imm_data: __be32) {
     ffi_boundary!("ibv_wr_send_imm", {
         // SAFETY: see `batch`.
@@ -848,13 +923,8 @@ macro_rules! refused_builder {
     };
 }
 
-refused_builder!(wr_atomic_cmp_swp, u32, u64, u64, u64);
-refused_builder!(wr_atomic_fetch_add, u32, u64, u64);
 refused_builder!(wr_bind_mw, *mut ibv_mw, u32, *const ibv_mw_bind_info);
 refused_builder!(wr_local_inv, u32);
-refused_builder!(wr_rdma_read, u32, u64);
-refused_builder!(wr_rdma_write, u32, u64);
-refused_builder!(wr_rdma_write_imm, u32, u64, __be32);
 refused_builder!(wr_send_inv, u32);
 refused_builder!(wr_send_tso, *mut c_void, u16, u16);
 refused_builder!(wr_set_ud_addr, *mut ibv_ah, u32, u32);

@@ -337,7 +337,10 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
         return false;
     };
     match h.op {
-        wire::Op::Send => qp.on_send(locked, h, payload),
+        wire::Op::Send | wire::Op::Write | wire::Op::ReadRequest | wire::Op::Atomic => {
+            qp.on_request(locked, h, payload)
+        }
+        wire::Op::ReadResponse | wire::Op::AtomicResponse => qp.on_response(locked, h, payload),
         wire::Op::Ack => {
             qp.on_ack(locked, &h);
             false

@@ -38,7 +38,22 @@ pub enum Op {
     /// Acknowledges every message up to and including `seq` (status 0), or refuses `seq`
     /// (status = a [`Nak`] syndrome).
     Ack = 2,
+    /// RDMA WRITE (with [`FLAG_IMM`]: WRITE_WITH_IMM, which consumes a receive) of the payload
+    /// to `remote_addr` under `rkey`.
+    Write = 3,
+    /// RDMA READ of `length` bytes at `remote_addr` under `rkey`.
+    ReadRequest = 4,
+    /// The data of READ `seq`.
+    ReadResponse = 5,
+    /// An atomic on the 8 bytes at `remote_addr` (`status`: [`ATOMIC_FETCH_ADD`] or
+    /// [`ATOMIC_CMP_SWAP`]); the payload is compare_add and swap, little endian.
+    Atomic = 6,
+    /// The original 8 bytes of atomic `seq`.
+    AtomicResponse = 7,
 }
+
+pub const ATOMIC_FETCH_ADD: u8 = 1;
+pub const ATOMIC_CMP_SWAP: u8 = 2;
 
 /// Why a responder refused a message (carried in an ACK's status).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,6 +138,11 @@ impl Header {
         let op = match b[1] {
             1 => Op::Send,
             2 => Op::Ack,
+            3 => Op::Write,
+            4 => Op::ReadRequest,
+            5 => Op::ReadResponse,
+            6 => Op::Atomic,
+            7 => Op::AtomicResponse,
             _ => return None,
         };
         let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);

@@ -107,6 +107,24 @@ impl MemoryRegion {
     }
 }
 
+/// Checks a remote access as the responder's HCA does: the rkey names a live MR of the QP's
+/// PD that grants `access`, and `[addr, addr + len)` (in the MR's iova space) lies inside it.
+pub fn remote_span(
+    pd: &Arc<ProtectionDomain>,
+    rkey: u32,
+    addr: u64,
+    len: u64,
+    access: u32,
+) -> Option<AppSpan> {
+    let mr = REGIONS.get(&rkey).map(|r| Arc::clone(r.value()))?;
+    if !Arc::ptr_eq(&mr.pd, pd) || mr.access & access != access {
+        return None;
+    }
+    let offset = addr.checked_sub(mr.iova)?;
+    let start = mr.region.addr().checked_add(offset)?;
+    mr.region.span(start, len)
+}
+
 /// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, and local write for
 /// receive buffers) and returns the spans; `None` is a local protection error.
 pub fn local_spans(

@@ -3,7 +3,7 @@
 //! completions in post order once the responder acknowledged, and flush-on-error.
 
 use super::cq::CompletionQueue;
-use super::mr::local_spans;
+use super::mr::{self, local_spans};
 use super::pd::ProtectionDomain;
 use super::qp_state::{AttrMask, QpState, QpType, TransitionError, check_transition};
 use super::work::{
@@ -125,24 +125,73 @@ struct SendEntry {
     byte_len: u32,
     /// Set when the entry is finished (acknowledged, or failed with this status).
     outcome: Option<WcStatus>,
+    /// READ and atomics: where the response lands; they finish with their response, never
+    /// with an ACK.
+    response_into: Option<SmallVec<[AppSpan; 4]>>,
 }
 
-/// A message body kept until it can be delivered.
-enum Body {
+/// A message body: the running handler's, or one kept until it can be delivered.
+enum Body<'a> {
+    Current(AmPayload<'a>),
     Owned(Vec<u8>),
     Held(AmData),
 }
 
-struct Pending {
-    header: Header,
-    body: Body,
+impl Body<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Body::Current(AmPayload::Transient(b)) => b.len(),
+            Body::Current(AmPayload::Persistent(d) | AmPayload::Rendezvous(d)) | Body::Held(d) => {
+                d.len()
+            }
+            Body::Owned(b) => b.len(),
+        }
+    }
+
+    /// The bytes, when they are already here (not a rendezvous).
+    fn bytes_if_eager(&self) -> Option<&[u8]> {
+        match self {
+            Body::Current(AmPayload::Transient(b)) => Some(b),
+            Body::Current(AmPayload::Persistent(d)) => Some(d.bytes()),
+            Body::Held(d) if !d.is_rendezvous() => Some(d.bytes()),
+            Body::Owned(b) => Some(b),
+            _ => None,
+        }
+    }
 }
 
+/// Requests that consume a posted receive.
+fn needs_receive(h: &Header) -> bool {
+    h.op == Op::Send || (h.op == Op::Write && h.flags & wire::FLAG_IMM != 0)
+}
+
+struct Pending {
+    header: Header,
+    body: Body<'static>,
+}
+
+/// A request whose effects complete in order at the responder: a receive or a write whose
+/// data is landing, or a READ/atomic waiting behind them (so it sees earlier writes).
 struct Landing {
     seq: u32,
-    wc: WorkCompletion,
+    /// The receive completion it produces (SEND, WRITE_WITH_IMM), if any.
+    wc: Option<WorkCompletion>,
     solicited: bool,
     landed: bool,
+    then: Option<Response>,
+}
+
+/// What a READ or atomic answers, once every earlier request of the QP took effect.
+enum Response {
+    Read {
+        span: Option<AppSpan>,
+    },
+    Atomic {
+        span: AppSpan,
+        kind: u8,
+        compare_add: u64,
+        swap: u64,
+    },
 }
 
 /// UCX work to start once the queue lock is released. UCX may run callbacks inline inside any
@@ -159,6 +208,12 @@ enum Deferred {
     },
     /// Pull a rendezvous message into the receive WR's buffers; `seq` then lands.
     Receive {
+        data: AmData,
+        spans: SmallVec<[AppSpan; 4]>,
+        seq: u32,
+    },
+    /// Pull a rendezvous READ response into the requester's buffers; send WR `seq` then ends.
+    ReceiveResponse {
         data: AmData,
         spans: SmallVec<[AppSpan; 4]>,
         seq: u32,
@@ -317,6 +372,20 @@ impl QueuePair {
                     data_seq,
                 } => self.start_send(locked, &endpoint, &header, payload, data_seq),
                 Deferred::Release(data) => locked.release(data),
+                Deferred::ReceiveResponse { data, spans, seq } => {
+                    let me = Arc::clone(self);
+                    let done = Box::new(
+                        move |locked: &LockedWorker<'_>,
+                              result: Result<usize, crate::ucp::Error>| {
+                            me.on_response_landed(locked, seq, result)
+                        },
+                    );
+                    match locked.receive_rendezvous(data, &spans, done) {
+                        Ok(false) => {}
+                        Ok(true) => self.on_response_landed(locked, seq, Ok(0)),
+                        Err(e) => self.on_response_landed(locked, seq, Err(e)),
+                    }
+                }
                 Deferred::Receive { data, spans, seq } => {
                     let me = Arc::clone(self);
                     let done = Box::new(
@@ -530,11 +599,12 @@ impl QueuePair {
             self.send_cq.push(wc, true);
         }
         for l in q.landing.drain(..) {
-            let mut wc = l.wc;
-            wc.status = WcStatus::WrFlushErr;
-            wc.byte_len = 0;
-            wc.wc_flags = 0;
-            self.recv_cq.push(wc, true);
+            if let Some(mut wc) = l.wc {
+                wc.status = WcStatus::WrFlushErr;
+                wc.byte_len = 0;
+                wc.wc_flags = 0;
+                self.recv_cq.push(wc, true);
+            }
         }
         for r in q.rq.drain(..) {
             self.recv_cq.push(
@@ -600,18 +670,29 @@ impl QueuePair {
                 return Err(VerbsError::Invalid("inline data above max_inline_data"));
             }
         }
-        let op = match req.opcode {
-            SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
-            _ => {
-                return Err(VerbsError::Unsupported(
-                    "opcode (ugdr carries SEND and SEND_WITH_IMM)",
-                ));
-            }
-        };
         let length = req.length();
         if length > u64::from(device::MAX_MSG_SIZE) {
             return Err(VerbsError::Invalid(
                 "message longer than the port's max_msg_sz",
+            ));
+        }
+        let op = match req.opcode {
+            SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
+            SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => Op::Write,
+            SendOpcode::RdmaRead => Op::ReadRequest,
+            SendOpcode::AtomicFetchAndAdd | SendOpcode::AtomicCmpAndSwp => {
+                // As rxe's validate_send_wr: one 8-byte SGE and an 8-byte aligned address.
+                if req.sges.len() != 1 || req.sges[0].length != 8 || req.remote_addr % 8 != 0 {
+                    return Err(VerbsError::Invalid(
+                        "atomic needs one 8-byte SGE and an aligned remote address",
+                    ));
+                }
+                Op::Atomic
+            }
+        };
+        if req.inline_data.is_some() && !matches!(op, Op::Send | Op::Write) {
+            return Err(VerbsError::Invalid(
+                "inline is for SEND and RDMA WRITE only",
             ));
         }
         let seq = q.next_send_seq;
@@ -623,10 +704,11 @@ impl QueuePair {
             seq,
             byte_len: length as u32,
             outcome: None,
+            response_into: None,
         });
-        let payload = match req.inline_data {
-            Some(bytes) => SendPayload::Owned(bytes),
-            None => match local_spans(&self.pd, &req.sges, false) {
+        let payload = match (op, req.inline_data) {
+            (_, Some(bytes)) => SendPayload::Owned(bytes),
+            (Op::Send | Op::Write, None) => match local_spans(&self.pd, &req.sges, false) {
                 Some(spans) => SendPayload::Spans(spans),
                 None => {
                     tracing::debug!(
@@ -638,16 +720,50 @@ impl QueuePair {
                     return Ok(None);
                 }
             },
+            (_, None) => {
+                // READ and atomics land in local memory: it must be writable.
+                let Some(spans) = local_spans(&self.pd, &req.sges, true) else {
+                    tracing::debug!(
+                        "qp {:#x}: wr_id {} has a bad lkey or range",
+                        self.qp_num,
+                        req.wr_id
+                    );
+                    self.fail_entry(q, seq, WcStatus::LocProtErr);
+                    return Ok(None);
+                };
+                if let Some(e) = q.sq.back_mut() {
+                    e.response_into = Some(spans);
+                }
+                if op == Op::Atomic {
+                    let mut operands = Vec::with_capacity(16);
+                    operands.extend_from_slice(&req.compare_add.to_le_bytes());
+                    operands.extend_from_slice(&req.swap.to_le_bytes());
+                    SendPayload::Owned(operands)
+                } else {
+                    SendPayload::None
+                }
+            }
         };
         let Some(peer) = q.peer.clone() else {
             self.fail_entry(q, seq, WcStatus::RetryExcErr);
             return Ok(None);
         };
         let mut header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
-        if req.opcode == SendOpcode::SendWithImm {
+        if matches!(
+            req.opcode,
+            SendOpcode::SendWithImm | SendOpcode::RdmaWriteWithImm
+        ) {
             header.flags |= wire::FLAG_IMM;
             header.imm_data = req.imm_data;
         }
+        header.remote_addr = req.remote_addr;
+        header.rkey = req.rkey;
+        header.length = length as u32;
+        header.status = match req.opcode {
+            SendOpcode::AtomicFetchAndAdd => wire::ATOMIC_FETCH_ADD,
+            SendOpcode::AtomicCmpAndSwp => wire::ATOMIC_CMP_SWAP,
+            _ => 0,
+        };
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
@@ -709,7 +825,9 @@ impl QueuePair {
                     if !wire::seq_before(e.seq, h.seq) {
                         break;
                     }
-                    e.outcome.get_or_insert(WcStatus::Success);
+                    if e.response_into.is_none() {
+                        e.outcome.get_or_insert(WcStatus::Success);
+                    }
                 }
                 let status = match nak {
                     Nak::InvalidRequest => WcStatus::RemInvReqErr,
@@ -727,7 +845,9 @@ impl QueuePair {
             if wire::seq_before(seq, e.seq) {
                 break;
             }
-            e.outcome.get_or_insert(WcStatus::Success);
+            if e.response_into.is_none() {
+                e.outcome.get_or_insert(WcStatus::Success);
+            }
         }
         self.release_send_completions(q);
     }
@@ -803,17 +923,23 @@ impl QueuePair {
         Ok(())
     }
 
-    /// A SEND for this QP. Returns true when the payload's data was kept (UCX must keep it).
-    pub fn on_send(
+    /// A request for this QP (SEND, WRITE, READ, atomic). Returns true when the payload's
+    /// data was kept (UCX must keep it).
+    pub fn on_request(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
         h: Header,
         payload: AmPayload<'_>,
     ) -> bool {
-        self.locked_then_send(locked, |q| self.on_send_locked(q, h, payload))
+        self.locked_then_send(locked, |q| self.on_request_locked(q, h, payload))
     }
 
-    fn on_send_locked(self: &Arc<Self>, q: &mut Queues, h: Header, payload: AmPayload<'_>) -> bool {
+    fn on_request_locked(
+        self: &Arc<Self>,
+        q: &mut Queues,
+        h: Header,
+        payload: AmPayload<'_>,
+    ) -> bool {
         let connected = q.peer.as_ref().map(|p| p.qpn);
         if h.flags & wire::FLAG_ACK != 0
             && connected == Some(h.src_qpn)
@@ -853,9 +979,8 @@ impl QueuePair {
             return kept;
         }
         q.expected_seq = q.expected_seq.wrapping_add(1);
-        let kept = if q.waiting.is_empty() && !q.rq.is_empty() {
-            let wr = q.rq.pop_front().expect("checked non-empty");
-            self.deliver_current(q, wr, h, payload);
+        let kept = if q.waiting.is_empty() && (!needs_receive(&h) || !q.rq.is_empty()) {
+            self.execute(q, h, Body::Current(payload));
             false
         } else {
             let (body, kept) = keep(payload);
@@ -872,26 +997,145 @@ impl QueuePair {
             q.expected_seq = q.expected_seq.wrapping_add(1);
             q.waiting.push_back(p);
         }
-        if q.early
-            .keys()
-            .next()
-            .is_some_and(|s| wire::seq_before(*s, q.expected_seq))
-        {
-            q.early.retain(|s, _| !wire::seq_before(*s, 0)); // unreachable in practice
-        }
         self.deliver_waiting(q);
     }
 
+    /// Executes waiting requests in order; a SEND (or WRITE_WITH_IMM) without a posted receive
+    /// stops the queue, as an RNR stops a HCA's responder.
     fn deliver_waiting(self: &Arc<Self>, q: &mut Queues) {
-        while !q.waiting.is_empty() && !q.rq.is_empty() && q.state != QpState::Err {
+        while let Some(front) = q.waiting.front() {
+            if q.state == QpState::Err || (needs_receive(&front.header) && q.rq.is_empty()) {
+                break;
+            }
             let p = q.waiting.pop_front().expect("checked");
-            let wr = q.rq.pop_front().expect("checked");
-            self.deliver_kept(q, wr, p);
+            let body = match p.body {
+                Body::Owned(b) => Body::Owned(b),
+                Body::Held(d) => Body::Held(d),
+                Body::Current(_) => unreachable!("only kept bodies wait"),
+            };
+            self.execute(q, p.header, body);
         }
     }
 
+    /// Executes one in-order request.
+    fn execute(self: &Arc<Self>, q: &mut Queues, h: Header, body: Body<'_>) {
+        match h.op {
+            Op::Send => {
+                let wr =
+                    q.rq.pop_front()
+                        .expect("a SEND executes only with a receive posted");
+                self.deliver_receive(q, Some(wr), h, body, None);
+            }
+            Op::Write => {
+                let len = body.len();
+                let Some(target) = self.check_remote(q, &h, len as u64, mr::ACCESS_REMOTE_WRITE)
+                else {
+                    self.refuse(q, &h, body);
+                    return;
+                };
+                let wr = if h.flags & wire::FLAG_IMM != 0 {
+                    q.rq.pop_front()
+                } else {
+                    None
+                };
+                self.deliver_receive(q, wr, h, body, target);
+            }
+            Op::ReadRequest => {
+                let Some(span) =
+                    self.check_remote(q, &h, u64::from(h.length), mr::ACCESS_REMOTE_READ)
+                else {
+                    self.refuse(q, &h, body);
+                    return;
+                };
+                self.respond_in_order(q, &h, Response::Read { span });
+            }
+            Op::Atomic => {
+                let operands = body.bytes_if_eager();
+                let span = self
+                    .check_remote(q, &h, 8, mr::ACCESS_REMOTE_ATOMIC)
+                    .flatten();
+                let (Some(span), Some(ops)) = (span, operands.filter(|o| o.len() == 16)) else {
+                    self.refuse(q, &h, body);
+                    return;
+                };
+                let compare_add = u64::from_le_bytes(ops[..8].try_into().expect("8 bytes"));
+                let swap = u64::from_le_bytes(ops[8..].try_into().expect("8 bytes"));
+                self.respond_in_order(
+                    q,
+                    &h,
+                    Response::Atomic {
+                        span,
+                        kind: h.status,
+                        compare_add,
+                        swap,
+                    },
+                );
+            }
+            Op::Ack | Op::ReadResponse | Op::AtomicResponse => {}
+        }
+    }
+
+    /// The remote-access check of a WRITE/READ/atomic: the QP must allow `access` and the rkey
+    /// must grant it over the range. `Some(None)` for a zero-length access (no key is checked);
+    /// `None` is a remote access error.
+    fn check_remote(
+        &self,
+        q: &Queues,
+        h: &Header,
+        len: u64,
+        access: u32,
+    ) -> Option<Option<AppSpan>> {
+        if len == 0 {
+            return Some(None);
+        }
+        if q.attrs.access_flags & access != access {
+            tracing::debug!(
+                "qp {:#x}: access {access:#x} not enabled on the QP",
+                self.qp_num
+            );
+            return None;
+        }
+        match mr::remote_span(&self.pd, h.rkey, h.remote_addr, len, access) {
+            Some(span) => Some(Some(span)),
+            None => {
+                tracing::debug!(
+                    "qp {:#x}: rkey {:#x} refuses {len} bytes at {:#x} for access {access:#x}",
+                    self.qp_num,
+                    h.rkey,
+                    h.remote_addr
+                );
+                None
+            }
+        }
+    }
+
+    /// NAKs a request with a remote access error (nothing was written or read).
+    fn refuse(&self, q: &mut Queues, h: &Header, body: Body<'_>) {
+        if let Body::Held(d) = body {
+            q.outbox.push(Deferred::Release(d));
+        }
+        self.send_ack(q, h.seq, Some(Nak::RemoteAccess));
+    }
+
+    /// Answers a READ or atomic after every earlier request of this QP took effect.
+    fn respond_in_order(&self, q: &mut Queues, h: &Header, response: Response) {
+        q.landing.push_back(Landing {
+            seq: h.seq,
+            wc: None,
+            solicited: false,
+            landed: true,
+            then: Some(response),
+        });
+        self.release_landed(q);
+    }
+
     fn recv_completion(&self, wr: &RecvRequest, h: &Header, len: usize) -> WorkCompletion {
-        let mut wc = WorkCompletion::new(wr.wr_id, WcStatus::Success, WcOpcode::Recv, self.qp_num);
+        let opcode = if h.op == Op::Write {
+            WcOpcode::RecvRdmaWithImm
+        } else {
+            WcOpcode::Recv
+        };
+        let mut wc = WorkCompletion::new(wr.wr_id, WcStatus::Success, opcode, self.qp_num);
         wc.byte_len = len as u32;
         wc.src_qp = h.src_qpn;
         wc.slid = h.src_lid;
@@ -902,15 +1146,15 @@ impl QueuePair {
         wc
     }
 
-    /// Checks the receive WR against the message; on failure completes it with an error,
-    /// NAKs the sender and moves the QP to ERR.
+    /// Checks the receive WR against a SEND; on failure completes it with an error, NAKs the
+    /// sender and moves the QP to ERR.
     fn check_receive(
         &self,
         q: &mut Queues,
         wr: &RecvRequest,
         h: &Header,
         len: usize,
-    ) -> Option<smallvec::SmallVec<[AppSpan; 4]>> {
+    ) -> Option<SmallVec<[AppSpan; 4]>> {
         let capacity: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
         let (status, nak) = if len as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
@@ -937,80 +1181,67 @@ impl QueuePair {
         None
     }
 
-    /// Delivers the message of the running handler into `wr`.
-    fn deliver_current(
-        self: &Arc<Self>,
-        q: &mut Queues,
-        wr: RecvRequest,
-        h: Header,
-        payload: AmPayload<'_>,
-    ) {
-        match payload {
-            AmPayload::Transient(bytes) => self.deliver_bytes(q, wr, &h, bytes),
-            AmPayload::Persistent(data) => {
-                // Consumed inside its own handler: read it and let UCX free it.
-                self.deliver_bytes(q, wr, &h, data.bytes());
-            }
-            AmPayload::Rendezvous(data) => {
-                let Some(spans) = self.check_receive(q, &wr, &h, data.len()) else {
-                    return; // UCX drops the descriptor when the handler returns UCS_OK
-                };
-                let wc = self.recv_completion(&wr, &h, data.len());
-                self.start_landing(q, data, &spans, wc, &h);
-            }
-        }
-    }
-
-    fn deliver_kept(self: &Arc<Self>, q: &mut Queues, wr: RecvRequest, p: Pending) {
-        let h = p.header;
-        match p.body {
-            Body::Owned(bytes) => self.deliver_bytes(q, wr, &h, &bytes),
-            Body::Held(data) => {
-                let Some(spans) = self.check_receive(q, &wr, &h, data.len()) else {
-                    q.outbox.push(Deferred::Release(data));
-                    return;
-                };
-                let wc = self.recv_completion(&wr, &h, data.len());
-                if data.is_rendezvous() {
-                    self.start_landing(q, data, &spans, wc, &h);
-                } else {
-                    crate::ucp::scatter(&spans, data.bytes());
-                    q.outbox.push(Deferred::Release(data));
-                    self.complete_receive(q, wc, &h);
-                }
-            }
-        }
-    }
-
-    fn deliver_bytes(&self, q: &mut Queues, wr: RecvRequest, h: &Header, bytes: &[u8]) {
-        let Some(spans) = self.check_receive(q, &wr, h, bytes.len()) else {
-            return;
-        };
-        crate::ucp::scatter(&spans, bytes);
-        let wc = self.recv_completion(&wr, h, bytes.len());
-        self.complete_receive(q, wc, h);
-    }
-
-    fn start_landing(
+    /// Places a SEND (into the receive WR's buffers) or a WRITE (into `target`), then
+    /// completes the receive WR if there is one.
+    fn deliver_receive(
         &self,
         q: &mut Queues,
-        data: AmData,
-        spans: &[AppSpan],
-        wc: WorkCompletion,
-        h: &Header,
+        wr: Option<RecvRequest>,
+        h: Header,
+        body: Body<'_>,
+        target: Option<AppSpan>,
     ) {
-        let seq = h.seq;
-        q.landing.push_back(Landing {
-            seq,
-            wc,
-            solicited: h.flags & wire::FLAG_SOLICITED != 0,
-            landed: false,
-        });
-        q.outbox.push(Deferred::Receive {
-            data,
-            spans: SmallVec::from_slice(spans),
-            seq,
-        });
+        let len = body.len();
+        let spans: SmallVec<[AppSpan; 4]> = if h.op == Op::Send {
+            let wr = wr.as_ref().expect("a SEND has a receive WR");
+            match self.check_receive(q, wr, &h, len) {
+                Some(s) => s,
+                None => {
+                    if let Body::Held(d) = body {
+                        q.outbox.push(Deferred::Release(d));
+                    }
+                    return; // a current rendezvous descriptor is dropped by UCX
+                }
+            }
+        } else {
+            target.into_iter().collect()
+        };
+        let wc = wr.as_ref().map(|wr| self.recv_completion(wr, &h, len));
+        let solicited = h.flags & wire::FLAG_SOLICITED != 0;
+        match body {
+            Body::Current(AmPayload::Transient(bytes)) => {
+                crate::ucp::scatter(&spans, bytes);
+                self.complete_landed(q, h.seq, wc, solicited);
+            }
+            Body::Current(AmPayload::Persistent(data)) => {
+                // Consumed inside its own handler: read it and let UCX free it.
+                crate::ucp::scatter(&spans, data.bytes());
+                self.complete_landed(q, h.seq, wc, solicited);
+            }
+            Body::Owned(bytes) => {
+                crate::ucp::scatter(&spans, &bytes);
+                self.complete_landed(q, h.seq, wc, solicited);
+            }
+            Body::Held(data) if !data.is_rendezvous() => {
+                crate::ucp::scatter(&spans, data.bytes());
+                q.outbox.push(Deferred::Release(data));
+                self.complete_landed(q, h.seq, wc, solicited);
+            }
+            Body::Current(AmPayload::Rendezvous(data)) | Body::Held(data) => {
+                q.landing.push_back(Landing {
+                    seq: h.seq,
+                    wc,
+                    solicited,
+                    landed: false,
+                    then: None,
+                });
+                q.outbox.push(Deferred::Receive {
+                    data,
+                    spans,
+                    seq: h.seq,
+                });
+            }
+        }
     }
 
     fn on_landed(
@@ -1019,26 +1250,32 @@ impl QueuePair {
         seq: u32,
         result: Result<usize, crate::ucp::Error>,
     ) {
-        self.locked_then_send(locked, |q| self.on_landed_locked(q, seq, result))
-    }
-
-    fn on_landed_locked(&self, q: &mut Queues, seq: u32, result: Result<usize, crate::ucp::Error>) {
-        if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
-            l.landed = true;
-            if let Err(e) = result {
-                tracing::debug!("qp {:#x}: rendezvous of seq {seq} failed: {e}", self.qp_num);
-                l.wc.status = WcStatus::LocQpOpErr;
+        self.locked_then_send(locked, |q| {
+            if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
+                l.landed = true;
+                if let Err(e) = result {
+                    tracing::debug!("qp {:#x}: rendezvous of seq {seq} failed: {e}", self.qp_num);
+                    if let Some(wc) = l.wc.as_mut() {
+                        wc.status = WcStatus::LocQpOpErr;
+                    }
+                }
             }
-        }
-        self.release_landed(q);
+            self.release_landed(q);
+        })
     }
 
-    /// Completes receives whose data has landed, in order, and acknowledges them.
+    /// Completes requests whose effects are in place, in order: receive completions, READ and
+    /// atomic answers, and the acknowledgement of the last one.
     fn release_landed(&self, q: &mut Queues) {
         let mut last = None;
         while q.landing.front().is_some_and(|l| l.landed) {
             let l = q.landing.pop_front().expect("checked");
-            self.recv_cq.push(l.wc, l.solicited);
+            if let Some(wc) = l.wc {
+                self.recv_cq.push(wc, l.solicited);
+            }
+            if let Some(r) = l.then {
+                self.answer(q, l.seq, r);
+            }
             last = Some(l.seq);
         }
         if let Some(seq) = last {
@@ -1046,20 +1283,117 @@ impl QueuePair {
         }
     }
 
-    fn complete_receive(&self, q: &mut Queues, wc: WorkCompletion, h: &Header) {
-        let solicited = h.flags & wire::FLAG_SOLICITED != 0;
-        if q.landing.is_empty() {
-            self.recv_cq.push(wc, solicited);
-            self.acknowledge(q, h.seq);
-        } else {
-            q.landing.push_back(Landing {
-                seq: h.seq,
-                wc,
-                solicited,
-                landed: true,
-            });
-            self.release_landed(q);
-        }
+    fn complete_landed(
+        &self,
+        q: &mut Queues,
+        seq: u32,
+        wc: Option<WorkCompletion>,
+        solicited: bool,
+    ) {
+        q.landing.push_back(Landing {
+            seq,
+            wc,
+            solicited,
+            landed: true,
+            then: None,
+        });
+        self.release_landed(q);
+    }
+
+    /// Sends the answer of a READ (the bytes, read by UCX from registered memory) or atomic.
+    fn answer(&self, q: &mut Queues, seq: u32, response: Response) {
+        let Some(peer) = &q.peer else { return };
+        let (op, payload) = match response {
+            Response::Read { span } => (
+                Op::ReadResponse,
+                span.map_or(SendPayload::None, |s| {
+                    SendPayload::Spans(SmallVec::from_elem(s, 1))
+                }),
+            ),
+            Response::Atomic {
+                span,
+                kind,
+                compare_add,
+                swap,
+            } => {
+                let old = match kind {
+                    wire::ATOMIC_FETCH_ADD => span.fetch_add(compare_add),
+                    _ => span.compare_swap(compare_add, swap),
+                };
+                let Some(old) = old else { return };
+                (
+                    Op::AtomicResponse,
+                    SendPayload::Owned(old.to_le_bytes().to_vec()),
+                )
+            }
+        };
+        let header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
+        let endpoint = Arc::clone(&peer.endpoint);
+        q.outbox.push(Deferred::Send {
+            endpoint,
+            header,
+            payload,
+            data_seq: None,
+        });
+    }
+
+    /// The answer to one of this QP's READs or atomics.
+    pub fn on_response(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        h: Header,
+        payload: AmPayload<'_>,
+    ) -> bool {
+        self.locked_then_send(locked, |q| {
+            if q.peer.as_ref().map(|p| p.qpn) != Some(h.src_qpn) {
+                return false;
+            }
+            let Some(e) =
+                q.sq.iter_mut()
+                    .find(|e| e.seq == h.seq && e.outcome.is_none())
+            else {
+                return false;
+            };
+            let Some(spans) = e.response_into.clone() else {
+                return false;
+            };
+            match payload {
+                AmPayload::Transient(bytes) => crate::ucp::scatter(&spans, bytes),
+                AmPayload::Persistent(data) => crate::ucp::scatter(&spans, data.bytes()),
+                AmPayload::Rendezvous(data) => {
+                    q.outbox.push(Deferred::ReceiveResponse {
+                        data,
+                        spans,
+                        seq: h.seq,
+                    });
+                    return false; // the descriptor is consumed by the receive
+                }
+            };
+            e.outcome = Some(WcStatus::Success);
+            self.release_send_completions(q);
+            false
+        })
+    }
+
+    fn on_response_landed(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        seq: u32,
+        result: Result<usize, crate::ucp::Error>,
+    ) {
+        self.locked_then_send(locked, |q| {
+            if let Some(e) =
+                q.sq.iter_mut()
+                    .find(|e| e.seq == seq && e.outcome.is_none())
+            {
+                e.outcome = Some(if result.is_ok() {
+                    WcStatus::Success
+                } else {
+                    WcStatus::LocQpOpErr
+                });
+            }
+            self.release_send_completions(q);
+        })
     }
 
     fn send_ack(&self, q: &mut Queues, seq: u32, nak: Option<Nak>) {
@@ -1077,7 +1411,7 @@ impl QueuePair {
 }
 
 /// Turns a handler's payload into something that outlives the handler.
-fn keep(payload: AmPayload<'_>) -> (Body, bool) {
+fn keep(payload: AmPayload<'_>) -> (Body<'static>, bool) {
     match payload {
         AmPayload::Transient(b) => (Body::Owned(b.to_vec()), false),
         AmPayload::Persistent(d) | AmPayload::Rendezvous(d) => (Body::Held(d), true),
@@ -1091,7 +1425,7 @@ fn release_kept(q: &mut Queues) {
         .chain(q.waiting.drain(..))
         .filter_map(|p| match p.body {
             Body::Held(d) => Some(d),
-            Body::Owned(_) => None,
+            Body::Owned(_) | Body::Current(_) => None,
         })
         .collect();
     q.outbox.extend(held.into_iter().map(Deferred::Release));

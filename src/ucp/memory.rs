@@ -81,6 +81,41 @@ impl AppSpan {
     }
 }
 
+impl AppSpan {
+    fn as_atomic(&self) -> Option<&std::sync::atomic::AtomicU64> {
+        if self.len != 8 || self.addr % 8 != 0 {
+            return None;
+        }
+        // SAFETY: 8 registered bytes (AppRegion's contract), 8-byte aligned (checked), so a
+        // valid AtomicU64 location; other writers may race, which is what atomics are for.
+        Some(unsafe { &*(self.as_ptr() as *const std::sync::atomic::AtomicU64) })
+    }
+
+    /// Atomically adds `add` to the 8 bytes (host byte order, as verbs atomics); the old value.
+    /// None unless the span is 8 aligned bytes.
+    pub fn fetch_add(&self, add: u64) -> Option<u64> {
+        Some(
+            self.as_atomic()?
+                .fetch_add(add, std::sync::atomic::Ordering::SeqCst),
+        )
+    }
+
+    /// Atomically replaces the 8 bytes by `swap` if they equal `compare`; the old value.
+    pub fn compare_swap(&self, compare: u64, swap: u64) -> Option<u64> {
+        let a = self.as_atomic()?;
+        Some(
+            match a.compare_exchange(
+                compare,
+                swap,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            ) {
+                Ok(v) | Err(v) => v,
+            },
+        )
+    }
+}
+
 /// Copies `src` into `spans`, in order; returns the bytes written (≤ the spans' total).
 pub fn scatter(spans: &[AppSpan], src: &[u8]) -> usize {
     let mut off = 0;
