@@ -8,19 +8,35 @@ use harness::*;
 use std::time::Duration;
 
 fn perftest(program: &str, opts: &[&str], timeout_s: u64) {
+    perftest_with_profile(program, opts, timeout_s, None);
+}
+
+/// `profile`: the `UGDR_DEVICE_PROFILE` both sides run with.
+fn perftest_with_profile(program: &str, opts: &[&str], timeout_s: u64, profile: Option<&str>) {
     let port = free_port().to_string();
     let mut args = vec!["-p", port.as_str()];
     args.extend_from_slice(opts);
     let mut client = args.clone();
     client.push("127.0.0.1");
+    let (mut server_cmd, mut client_cmd) = (preloaded(program, &args), preloaded(program, &client));
+    if let Some(p) = profile {
+        server_cmd.env("UGDR_DEVICE_PROFILE", p);
+        client_cmd.env("UGDR_DEVICE_PROFILE", p);
+    }
     let (s, c) = run_pingpong(
-        preloaded(program, &args),
-        preloaded(program, &client),
+        server_cmd,
+        client_cmd,
         port.parse().unwrap(),
         Duration::from_secs(timeout_s),
     );
-    assert_success(&s, &format!("{program} server {opts:?}"));
-    assert_success(&c, &format!("{program} client {opts:?}"));
+    assert_success(
+        &s,
+        &format!("{program} server {opts:?} profile {profile:?}"),
+    );
+    assert_success(
+        &c,
+        &format!("{program} client {opts:?} profile {profile:?}"),
+    );
     let out = String::from_utf8_lossy(&c.stdout);
     assert!(out.contains("#bytes"), "no result table\n{}", text(&c));
 }
@@ -90,6 +106,23 @@ fn ib_write_bw_four_qps() {
 #[test]
 fn ib_atomic_bw_compare_and_swap() {
     perftest("ib_atomic_bw", &["-A", "CMP_AND_SWAP", "-n", "1000"], 90);
+}
+
+/// With a ConnectX-6 identity perftest takes its default `ibv_wr_*` path, as on that NIC.
+#[test]
+fn every_perftest_on_the_new_post_send_api() {
+    for program in [
+        "ib_send_bw",
+        "ib_send_lat",
+        "ib_write_bw",
+        "ib_write_lat",
+        "ib_read_bw",
+        "ib_read_lat",
+        "ib_atomic_bw",
+        "ib_atomic_lat",
+    ] {
+        perftest_with_profile(program, &["-n", "1000"], 90, Some("connectx6"));
+    }
 }
 
 fn perftest_across_namespaces(tag: &str, program: &str, opts: &[&str]) {

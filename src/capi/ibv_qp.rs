@@ -222,6 +222,11 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         if unsafe { (*a.pd).context } != ctx {
             return <*mut ibv_qp>::fail(libc::EINVAL);
         }
+        tracing::debug!(
+            "ibv_create_qp_ex: comp_mask {:#x} send_ops_flags {:#x}",
+            a.comp_mask,
+            a.send_ops_flags
+        );
         let args = create_args!(a.pd, a);
         match create_qp(&args) {
             Ok((qp, cap)) => {

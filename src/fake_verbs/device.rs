@@ -52,10 +52,10 @@ impl DeviceAttributes {
             sys_image_guid: node_guid,
             max_mr_size: u64::MAX,
             page_size_cap: 0xffff_f000,
-            // Not a registered vendor: applications that key behaviour off the vendor
-            // (perftest) take their generic paths.
-            vendor_id: 0,
-            vendor_part_id: 0,
+            // By default not a registered vendor: applications that key behaviour off the
+            // vendor (perftest) take their generic paths. UGDR_DEVICE_PROFILE picks another.
+            vendor_id: profile().vendor_id,
+            vendor_part_id: profile().vendor_part_id,
             hw_ver: 1,
             max_qp: 1 << 16,
             max_qp_wr: MAX_QP_WR,
@@ -75,6 +75,44 @@ impl DeviceAttributes {
             max_inline_data: MAX_INLINE_DATA,
         }
     }
+}
+
+/// An identity ugdr's device can present (`UGDR_DEVICE_PROFILE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceProfile {
+    pub name: &'static str,
+    pub vendor_id: u32,
+    pub vendor_part_id: u32,
+}
+
+/// ugdr's own identity (vendor 0): perftest then uses its generic post-send path.
+pub const PROFILE_UGDR: DeviceProfile = DeviceProfile {
+    name: "ugdr",
+    vendor_id: 0,
+    vendor_part_id: 0,
+};
+/// A ConnectX-6-like identity (Mellanox vendor 0x02c9, part 4123): perftest then takes the
+/// `ibv_wr_*` path it takes on that hardware.
+pub const PROFILE_CONNECTX6: DeviceProfile = DeviceProfile {
+    name: "connectx6",
+    vendor_id: 0x02c9,
+    vendor_part_id: 4123,
+};
+
+/// The profile `UGDR_DEVICE_PROFILE` names (`ugdr`, the default, or `connectx6`); an unknown
+/// name is logged and ignored.
+pub fn profile() -> DeviceProfile {
+    static PROFILE: std::sync::OnceLock<DeviceProfile> = std::sync::OnceLock::new();
+    *PROFILE.get_or_init(|| match std::env::var("UGDR_DEVICE_PROFILE").as_deref() {
+        Err(_) | Ok("") | Ok("ugdr") => PROFILE_UGDR,
+        Ok("connectx6") => PROFILE_CONNECTX6,
+        Ok(other) => {
+            tracing::warn!(
+                "UGDR_DEVICE_PROFILE={other:?} is not a known profile (ugdr, connectx6); using ugdr"
+            );
+            PROFILE_UGDR
+        }
+    })
 }
 
 /// Port 1's attributes (`ibv_port_attr`), in Rust form.
