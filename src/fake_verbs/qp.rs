@@ -206,17 +206,13 @@ enum Deferred {
         /// For data messages: the send-queue entry that fails if UCX cannot send it.
         data_seq: Option<u32>,
     },
-    /// Pull a rendezvous message into the receive WR's buffers; `seq` then lands.
+    /// Pull a rendezvous body into `spans` (a receive WR's buffers, a WRITE's target, or a
+    /// READ's SGEs at the requester); `landed` runs when it is in place.
     Receive {
         data: AmData,
         spans: SmallVec<[AppSpan; 4]>,
         seq: u32,
-    },
-    /// Pull a rendezvous READ response into the requester's buffers; send WR `seq` then ends.
-    ReceiveResponse {
-        data: AmData,
-        spans: SmallVec<[AppSpan; 4]>,
-        seq: u32,
+        landed: Landed,
     },
     /// Give a kept message body back to UCX (for a rendezvous one, this answers its sender).
     Release(AmData),
@@ -229,6 +225,10 @@ struct DataMessage {
     payload: SendPayload,
     seq: u32,
 }
+
+/// What runs when a rendezvous body landed: `QueuePair::on_landed` (responder) or
+/// `QueuePair::on_response_landed` (a READ at the requester).
+type Landed = fn(&Arc<QueuePair>, &LockedWorker<'_>, u32, Result<usize, crate::ucp::Error>);
 
 struct Queues {
     outbox: SmallVec<[Deferred; 2]>,
@@ -372,32 +372,23 @@ impl QueuePair {
                     data_seq,
                 } => self.start_send(locked, &endpoint, &header, payload, data_seq),
                 Deferred::Release(data) => locked.release(data),
-                Deferred::ReceiveResponse { data, spans, seq } => {
+                Deferred::Receive {
+                    data,
+                    spans,
+                    seq,
+                    landed,
+                } => {
                     let me = Arc::clone(self);
                     let done = Box::new(
                         move |locked: &LockedWorker<'_>,
                               result: Result<usize, crate::ucp::Error>| {
-                            me.on_response_landed(locked, seq, result)
+                            landed(&me, locked, seq, result)
                         },
                     );
                     match locked.receive_rendezvous(data, &spans, done) {
                         Ok(false) => {}
-                        Ok(true) => self.on_response_landed(locked, seq, Ok(0)),
-                        Err(e) => self.on_response_landed(locked, seq, Err(e)),
-                    }
-                }
-                Deferred::Receive { data, spans, seq } => {
-                    let me = Arc::clone(self);
-                    let done = Box::new(
-                        move |locked: &LockedWorker<'_>,
-                              result: Result<usize, crate::ucp::Error>| {
-                            me.on_landed(locked, seq, result)
-                        },
-                    );
-                    match locked.receive_rendezvous(data, &spans, done) {
-                        Ok(false) => {}
-                        Ok(true) => self.on_landed(locked, seq, Ok(0)),
-                        Err(e) => self.on_landed(locked, seq, Err(e)),
+                        Ok(true) => landed(self, locked, seq, Ok(0)),
+                        Err(e) => landed(self, locked, seq, Err(e)),
                     }
                 }
             }
@@ -1236,6 +1227,7 @@ impl QueuePair {
                     then: None,
                 });
                 q.outbox.push(Deferred::Receive {
+                    landed: QueuePair::on_landed,
                     data,
                     spans,
                     seq: h.seq,
@@ -1361,7 +1353,8 @@ impl QueuePair {
                 AmPayload::Transient(bytes) => crate::ucp::scatter(&spans, bytes),
                 AmPayload::Persistent(data) => crate::ucp::scatter(&spans, data.bytes()),
                 AmPayload::Rendezvous(data) => {
-                    q.outbox.push(Deferred::ReceiveResponse {
+                    q.outbox.push(Deferred::Receive {
+                        landed: QueuePair::on_response_landed,
                         data,
                         spans,
                         seq: h.seq,
