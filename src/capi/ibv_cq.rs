@@ -278,7 +278,18 @@ pub unsafe extern "C" fn ibv_get_cq_event(
             set_errno(libc::EINVAL);
             return -1;
         }
-        match shell.inner.events.wait() {
+        let waited = match Engine::running() {
+            Some(engine) => {
+                // SAFETY: the worker's event fd lives as long as the worker (the process).
+                let efd = unsafe { std::os::fd::BorrowedFd::borrow_raw(engine.worker.event_fd()) };
+                shell
+                    .inner
+                    .events
+                    .wait_or(efd, || engine.progress_for_waiter())
+            }
+            None => shell.inner.events.wait(),
+        };
+        match waited {
             Ok(handle) => {
                 let cq = handle as *mut ibv_cq_ex;
                 // SAFETY: events carry live CQ shells (a CQ's events are discarded when it is

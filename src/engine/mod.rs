@@ -297,6 +297,20 @@ impl Engine {
         }
     }
 
+    /// Progress from a thread blocked for a completion event whose wait saw the worker's
+    /// event fd become readable: deliver (and acknowledge) now if the worker is free.
+    pub fn progress_for_waiter(&self) {
+        match self.worker.try_lock() {
+            Some(locked) => {
+                while locked.progress() > 0 {}
+                self.flush_owed_acks(&locked);
+                // Leave the fd armed again for the progress thread (or this waiter).
+                let _ = locked.arm();
+            }
+            None => std::thread::yield_now(),
+        }
+    }
+
     /// Sends every ACK a QP of this process owes its peer.
     pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>) {
         for qpn in crate::fake_verbs::qp::take_owed_acks() {

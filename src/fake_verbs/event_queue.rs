@@ -3,9 +3,10 @@
 //! in a read, exactly as with the kernel's completion-channel and async-event fds.
 
 use super::VerbsError;
+use nix::poll::{PollFd, PollFlags, PollTimeout};
 use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 
@@ -57,6 +58,43 @@ impl<T> EventQueue<T> {
             let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(ev) = q.pop_front() {
                 return Ok(ev);
+            }
+        }
+    }
+
+    /// Like [`EventQueue::wait`], but while blocked also watches `other` and runs `on_ready`
+    /// when it becomes readable (the engine passes the UCX worker's event fd and a progress
+    /// call, so the waiting thread delivers its own completion instead of waiting for the
+    /// progress thread to wake first). A non-blocking application fd behaves as in `wait`.
+    pub fn wait_or(
+        &self,
+        other: BorrowedFd<'_>,
+        mut on_ready: impl FnMut(),
+    ) -> Result<T, VerbsError> {
+        let nonblocking = nix::fcntl::fcntl(self.reader.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL)
+            .map(|f| {
+                nix::fcntl::OFlag::from_bits_truncate(f).contains(nix::fcntl::OFlag::O_NONBLOCK)
+            })
+            .unwrap_or(true);
+        if nonblocking {
+            return self.wait();
+        }
+        loop {
+            let mut fds = [
+                PollFd::new(self.reader.as_fd(), PollFlags::POLLIN),
+                PollFd::new(other, PollFlags::POLLIN),
+            ];
+            match nix::poll::poll(&mut fds, PollTimeout::from(100u16)) {
+                Ok(_) => {}
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(VerbsError::Os(e as i32)),
+            }
+            let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
+            if ready(&fds[0]) {
+                return self.wait();
+            }
+            if ready(&fds[1]) {
+                on_ready();
             }
         }
     }
