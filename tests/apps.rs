@@ -220,3 +220,39 @@ fn ugdr_info_shows_the_port() {
         text(&out)
     );
 }
+
+fn pingpong(program: &str, opts: &[&str], timeout_s: u64) {
+    let port = free_port().to_string();
+    let mut sargs = vec!["-p", port.as_str()];
+    sargs.extend_from_slice(opts);
+    let mut cargs = sargs.clone();
+    cargs.push("127.0.0.1");
+    let (s, c) = run_pingpong(
+        preloaded(program, &sargs),
+        preloaded(program, &cargs),
+        port.parse().unwrap(),
+        Duration::from_secs(timeout_s),
+    );
+    assert_success(&s, &format!("{program} server {opts:?}"));
+    assert_success(&c, &format!("{program} client {opts:?}"));
+    assert!(
+        stdout(&c).contains("iters in"),
+        "no transfer report\n{}",
+        text(&c)
+    );
+}
+
+#[test]
+fn srq_pingpong_validated() {
+    pingpong("ibv_srq_pingpong", &["-c"], 60);
+}
+
+#[test]
+fn srq_pingpong_64_qps() {
+    pingpong("ibv_srq_pingpong", &["-q", "64", "-c"], 90);
+}
+
+#[test]
+fn srq_pingpong_events() {
+    pingpong("ibv_srq_pingpong", &["-e", "-c"], 90);
+}

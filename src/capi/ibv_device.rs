@@ -5,7 +5,9 @@ use super::layout::{ContextShell, DeviceShell};
 use super::{ops, passthrough};
 use crate::engine::{Engine, host_network};
 use crate::fake_verbs::VerbsError;
-use crate::fake_verbs::context::{DeviceContext, EVENT_CQ_ERR, EVENT_QP_FATAL};
+use crate::fake_verbs::context::{
+    DeviceContext, EVENT_CQ_ERR, EVENT_QP_LAST_WQE_REACHED, EVENT_SRQ_LIMIT_REACHED,
+};
 use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
 use dashmap::DashMap;
@@ -605,7 +607,8 @@ pub unsafe extern "C" fn ibv_get_async_event(
                 };
                 match ev.event_type {
                     EVENT_CQ_ERR => out.element.cq = ev.element as *mut ibv_cq,
-                    EVENT_QP_FATAL => out.element.qp = ev.element as *mut ibv_qp,
+                    1..=7 | EVENT_QP_LAST_WQE_REACHED => out.element.qp = ev.element as *mut ibv_qp,
+                    14 | EVENT_SRQ_LIMIT_REACHED => out.element.srq = ev.element as *mut ibv_srq,
                     _ => out.element.port_num = ev.element as c_int,
                 }
                 // SAFETY: caller's out-parameter, checked non-NULL.
@@ -634,8 +637,11 @@ pub unsafe extern "C" fn ibv_ack_async_event(event: *mut ibv_async_event) {
         let context = unsafe {
             match ev.event_type.0 {
                 EVENT_CQ_ERR => (!ev.element.cq.is_null()).then(|| (*ev.element.cq).context),
-                EVENT_QP_FATAL | 2 | 3 | 4 | 5 | 6 | 14 | 16 => {
+                1..=7 | EVENT_QP_LAST_WQE_REACHED => {
                     (!ev.element.qp.is_null()).then(|| (*ev.element.qp).context)
+                }
+                14 | EVENT_SRQ_LIMIT_REACHED => {
+                    (!ev.element.srq.is_null()).then(|| (*ev.element.srq).context)
                 }
                 _ => None,
             }

@@ -1,4 +1,4 @@
-//! Verbs ugdr does not carry yet (SRQ, address handles, multicast, re-registration, ECE,
+//! Verbs ugdr does not carry yet (address handles, multicast, re-registration, ECE,
 //! dma-buf MRs). Each is exported all the same: given one of ugdr's objects it fails as a
 //! device without the feature does (NULL/errno EOPNOTSUPP, or EOPNOTSUPP), instead of letting
 //! the real libibverbs read ugdr's objects as its own; given a real library's object it
@@ -15,10 +15,6 @@ mod real {
     use super::*;
 
     real_functions! {
-    ibv_create_srq @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_srq_init_attr) -> *mut ibv_srq;
-    ibv_modify_srq @ "IBVERBS_1.1": fn(*mut ibv_srq, *mut ibv_srq_attr, c_int) -> c_int;
-    ibv_query_srq @ "IBVERBS_1.1": fn(*mut ibv_srq, *mut ibv_srq_attr) -> c_int;
-    ibv_destroy_srq @ "IBVERBS_1.1": fn(*mut ibv_srq) -> c_int;
     ibv_create_ah @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_ah_attr) -> *mut ibv_ah;
     ibv_destroy_ah @ "IBVERBS_1.1": fn(*mut ibv_ah) -> c_int;
     ibv_init_ah_from_wc @ "IBVERBS_1.1": fn(*mut ibv_context, u8, *mut ibv_wc, *mut ibv_grh, *mut ibv_ah_attr) -> c_int;
@@ -61,23 +57,6 @@ macro_rules! not_yet {
     };
 }
 
-not_yet! {
-    /// Shared receive queues: not yet (NULL, errno EOPNOTSUPP).
-    ibv_create_srq(pd: *mut ibv_pd, attr: *mut ibv_srq_init_attr) -> *mut ibv_srq,
-    context = (*pd).context, ours = <*mut ibv_srq>::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    ibv_modify_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr, mask: c_int) -> c_int,
-    context = (*srq).context, ours = c_int::fail(libc::EINVAL);
-}
-not_yet! {
-    ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -> c_int,
-    context = (*srq).context, ours = c_int::fail(libc::EINVAL);
-}
-not_yet! {
-    ibv_destroy_srq(srq: *mut ibv_srq) -> c_int,
-    context = (*srq).context, ours = c_int::fail(libc::EINVAL);
-}
 not_yet! {
     /// Address handles (UD): not yet (NULL, errno EOPNOTSUPP).
     ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah,

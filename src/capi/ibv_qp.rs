@@ -13,7 +13,6 @@ use crate::fake_verbs::work::{RecvRequest, SendOpcode, SendRequest, Sge, SgeList
 use crate::sys::*;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_void};
-use std::ptr::null_mut;
 use std::sync::Arc;
 
 const SEND_FENCE: u32 = ibv_send_flags::IBV_SEND_FENCE.0;
@@ -92,9 +91,16 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
     let send_cq = unsafe { our_cq(args.send_cq) }.ok_or(VerbsError::Invalid("send_cq"))?;
     // SAFETY: as above.
     let recv_cq = unsafe { our_cq(args.recv_cq) }.ok_or(VerbsError::Invalid("recv_cq"))?;
-    if !args.srq.is_null() {
-        return Err(VerbsError::Unsupported("shared receive queues"));
-    }
+    let srq = if args.srq.is_null() {
+        None
+    } else {
+        // SAFETY: the application's SRQ pointer, ownership checked.
+        Some(Arc::clone(
+            &unsafe { super::ibv_srq::our_srq(args.srq) }
+                .ok_or(VerbsError::Invalid("srq"))?
+                .inner,
+        ))
+    };
     let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
     if qp_type != QpType::Rc {
         return Err(VerbsError::Unsupported(
@@ -116,6 +122,7 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
         Arc::clone(&pd_shell.inner),
         Arc::clone(&send_cq.inner),
         Arc::clone(&recv_cq.inner),
+        srq,
         args.sq_sig_all,
         caps,
         engine.lid,
@@ -128,7 +135,7 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
         pd: args.pd,
         send_cq: args.send_cq,
         recv_cq: args.recv_cq,
-        srq: null_mut(),
+        srq: args.srq,
         handle: qp_num,
         qp_num,
         state: ibv_qp_state::IBV_QPS_RESET,
@@ -508,7 +515,10 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
 
 /// # Safety
 /// `sg_list` holds `num_sge` readable entries (or `num_sge` is 0).
-unsafe fn read_sges(sg_list: *const ibv_sge, num_sge: c_int) -> Result<SgeList, VerbsError> {
+pub(crate) unsafe fn read_sges(
+    sg_list: *const ibv_sge,
+    num_sge: c_int,
+) -> Result<SgeList, VerbsError> {
     if num_sge < 0 || (num_sge > 0 && sg_list.is_null()) {
         return Err(VerbsError::Invalid("num_sge/sg_list"));
     }

@@ -8,6 +8,7 @@ use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
 use crate::fake_verbs::mr::MemoryRegion;
 use crate::fake_verbs::pd::ProtectionDomain;
 use crate::fake_verbs::qp::QueuePair;
+use crate::fake_verbs::srq::SharedReceiveQueue;
 use crate::fake_verbs::work::{SendRequest, WorkCompletion};
 use crate::sys::*;
 use dashmap::DashSet;
@@ -137,6 +138,10 @@ shell!(
 shell!(
     /// `ibv_mr`.
     MrShell, ibv_mr, MemoryRegion
+);
+shell!(
+    /// `ibv_srq`.
+    SrqShell, ibv_srq, SharedReceiveQueue
 );
 shell!(
     /// `ibv_comp_channel`.

@@ -8,6 +8,7 @@ mod ibv_device;
 mod ibv_not_yet;
 mod ibv_pd_mr;
 mod ibv_qp;
+mod ibv_srq;
 pub(crate) mod layout;
 mod ops;
 mod passthrough;

@@ -4,7 +4,10 @@
 //! fails as rdma-core's `dummy_ops.c` does (EOPNOTSUPP, or NULL with errno EOPNOTSUPP).
 
 use super::boundary::set_errno;
-use super::{ibv_cq as cq_exports, ibv_device as device_exports, ibv_qp as qp_exports};
+use super::{
+    ibv_cq as cq_exports, ibv_device as device_exports, ibv_qp as qp_exports,
+    ibv_srq as srq_exports,
+};
 use crate::sys::*;
 use std::os::raw::c_int;
 use std::ptr::null_mut;
@@ -39,7 +42,7 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     ops.req_notify_cq = Some(cq_exports::req_notify_cq);
     ops.post_send = Some(qp_exports::post_send);
     ops.post_recv = Some(qp_exports::post_recv);
-    ops.post_srq_recv = Some(post_srq_recv_unsupported);
+    ops.post_srq_recv = Some(srq_exports::post_srq_recv);
     ops.alloc_mw = unsupported!(fn(*mut ibv_pd, ibv_mw_type) -> *mut ibv_mw);
     ops.bind_mw = unsupported!(fn(*mut ibv_qp, *mut ibv_mw, *mut ibv_mw_bind) -> c_int);
     ops.dealloc_mw = unsupported!(fn(*mut ibv_mw) -> c_int);
@@ -87,8 +90,7 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.ABI_placeholder2 = Some(abi_placeholder);
     vctx.open_qp = unsupported!(fn(*mut ibv_context, *mut ibv_qp_open_attr) -> *mut ibv_qp);
     vctx.get_srq_num = unsupported!(fn(*mut ibv_srq, *mut u32) -> c_int);
-    vctx.create_srq_ex =
-        unsupported!(fn(*mut ibv_context, *mut ibv_srq_init_attr_ex) -> *mut ibv_srq);
+    vctx.create_srq_ex = Some(srq_exports::create_srq_ex_op);
     vctx.open_xrcd = unsupported!(fn(*mut ibv_context, *mut ibv_xrcd_init_attr) -> *mut ibv_xrcd);
     vctx.close_xrcd = unsupported!(fn(*mut ibv_xrcd) -> c_int);
 }
@@ -96,18 +98,6 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
 /// `ABI_placeholder1/2` are never called by rdma-core 44's inlines (rdma-core copies the flow
 /// ops there for binaries built against libibverbs 1.1.8); a harmless target all the same.
 unsafe extern "C" fn abi_placeholder() {}
-
-unsafe extern "C" fn post_srq_recv_unsupported(
-    _: *mut ibv_srq,
-    wr: *mut ibv_recv_wr,
-    bad: *mut *mut ibv_recv_wr,
-) -> c_int {
-    if !bad.is_null() {
-        // SAFETY: `bad` is the caller's out-parameter.
-        unsafe { *bad = wr };
-    }
-    EOPNOTSUPP
-}
 
 unsafe extern "C" fn post_srq_ops_unsupported(
     _: *mut ibv_srq,

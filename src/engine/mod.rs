@@ -208,6 +208,11 @@ impl Engine {
         self.qps.insert(qp.qp_num, qp);
     }
 
+    /// The QP with number `qpn`, if it lives in this process.
+    pub fn qp(&self, qpn: u32) -> Option<Arc<QueuePair>> {
+        self.qps.get(&qpn).map(|q| Arc::clone(q.value()))
+    }
+
     pub fn unregister_qp(&self, qpn: u32) -> Option<Arc<QueuePair>> {
         self.qps.remove(&qpn).map(|(_, qp)| qp)
     }

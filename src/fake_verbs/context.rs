@@ -16,6 +16,8 @@ pub struct AsyncEvent {
 pub const EVENT_CQ_ERR: u32 = 0;
 pub const EVENT_QP_FATAL: u32 = 1;
 pub const EVENT_PORT_ACTIVE: u32 = 9;
+pub const EVENT_SRQ_LIMIT_REACHED: u32 = 15;
+pub const EVENT_QP_LAST_WQE_REACHED: u32 = 16;
 
 pub struct DeviceContext {
     pub async_events: EventQueue<AsyncEvent>,

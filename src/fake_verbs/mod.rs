@@ -17,6 +17,7 @@ pub mod mr;
 pub mod pd;
 pub mod qp;
 pub mod qp_state;
+pub mod srq;
 pub mod work;
 
 pub use error::VerbsError;

@@ -2,10 +2,12 @@
 //! the engine's messages (docs/design.md): in-order delivery by sequence number, send
 //! completions in post order once the responder acknowledged, and flush-on-error.
 
+use super::context::EVENT_QP_LAST_WQE_REACHED;
 use super::cq::CompletionQueue;
 use super::mr::{self, local_spans};
 use super::pd::ProtectionDomain;
 use super::qp_state::{AttrMask, QpState, QpType, TransitionError, check_transition};
+use super::srq::SharedReceiveQueue;
 use super::work::{
     RecvRequest, SendOpcode, SendRequest, WC_WITH_IMM, WcOpcode, WcStatus, WorkCompletion,
 };
@@ -275,6 +277,8 @@ pub struct QueuePair {
     pub pd: Arc<ProtectionDomain>,
     pub send_cq: Arc<CompletionQueue>,
     pub recv_cq: Arc<CompletionQueue>,
+    /// Where receives come from instead of the QP's own queue.
+    pub srq: Option<Arc<SharedReceiveQueue>>,
     pub sq_sig_all: bool,
     pub caps: QpCaps,
     /// This port's LID (completions at the peer carry it as `slid`).
@@ -294,6 +298,7 @@ impl QueuePair {
         pd: Arc<ProtectionDomain>,
         send_cq: Arc<CompletionQueue>,
         recv_cq: Arc<CompletionQueue>,
+        srq: Option<Arc<SharedReceiveQueue>>,
         sq_sig_all: bool,
         caps: QpCaps,
         local_lid: u16,
@@ -306,12 +311,16 @@ impl QueuePair {
         pd.adopt_child();
         send_cq.adopt_user();
         recv_cq.adopt_user();
+        if let Some(s) = &srq {
+            s.adopt_user();
+        }
         Ok(Arc::new(QueuePair {
             qp_num,
             qp_type,
             pd,
             send_cq,
             recv_cq,
+            srq,
             sq_sig_all,
             caps,
             local_lid,
@@ -469,6 +478,9 @@ impl QueuePair {
         self.pd.release_child();
         self.send_cq.release_user();
         self.recv_cq.release_user();
+        if let Some(s) = &self.srq {
+            s.release_user();
+        }
     }
 
     /// Checks a modify against the state machine and the attribute values; applies it only
@@ -596,6 +608,12 @@ impl QueuePair {
                 wc.wc_flags = 0;
                 self.recv_cq.push(wc, true);
             }
+        }
+        if self.srq.is_some() {
+            // IBA 11.6.3: a QP on an SRQ that went to ERR will take no more of its WRs.
+            self.pd
+                .context
+                .raise(EVENT_QP_LAST_WQE_REACHED, self.handle());
         }
         for r in q.rq.drain(..) {
             self.recv_cq.push(
@@ -903,6 +921,9 @@ impl QueuePair {
             }
             _ => {}
         }
+        if self.srq.is_some() {
+            return Err(VerbsError::Invalid("post_recv on a QP that uses an SRQ"));
+        }
         if q.rq.len() >= self.caps.max_recv_wr as usize {
             return Err(VerbsError::QueueFull);
         }
@@ -970,10 +991,18 @@ impl QueuePair {
             return kept;
         }
         q.expected_seq = q.expected_seq.wrapping_add(1);
-        let kept = if q.waiting.is_empty() && (!needs_receive(&h) || !q.rq.is_empty()) {
-            self.execute(q, h, Body::Current(payload));
+        let receive = if q.waiting.is_empty() && needs_receive(&h) {
+            self.take_receive(q)
+        } else {
+            None
+        };
+        let kept = if q.waiting.is_empty() && (!needs_receive(&h) || receive.is_some()) {
+            self.execute(q, h, Body::Current(payload), receive);
             false
         } else {
+            if let Some(srq) = self.srq.as_ref().filter(|_| needs_receive(&h)) {
+                srq.note_starving(self.qp_num);
+            }
             let (body, kept) = keep(payload);
             q.waiting.push_back(Pending { header: h, body });
             kept
@@ -995,27 +1024,56 @@ impl QueuePair {
     /// stops the queue, as an RNR stops a HCA's responder.
     fn deliver_waiting(self: &Arc<Self>, q: &mut Queues) {
         while let Some(front) = q.waiting.front() {
-            if q.state == QpState::Err || (needs_receive(&front.header) && q.rq.is_empty()) {
+            if q.state == QpState::Err {
                 break;
             }
+            let receive = if needs_receive(&front.header) {
+                match self.take_receive(q) {
+                    Some(wr) => Some(wr),
+                    None => {
+                        if let Some(srq) = &self.srq {
+                            srq.note_starving(self.qp_num);
+                        }
+                        break;
+                    }
+                }
+            } else {
+                None
+            };
             let p = q.waiting.pop_front().expect("checked");
             let body = match p.body {
                 Body::Owned(b) => Body::Owned(b),
                 Body::Held(d) => Body::Held(d),
                 Body::Current(_) => unreachable!("only kept bodies wait"),
             };
-            self.execute(q, p.header, body);
+            self.execute(q, p.header, body, receive);
         }
     }
 
+    /// The next receive WR: from the SRQ if the QP has one, else from its own queue.
+    fn take_receive(&self, q: &mut Queues) -> Option<RecvRequest> {
+        match &self.srq {
+            Some(srq) => srq.take(),
+            None => q.rq.pop_front(),
+        }
+    }
+
+    /// Delivers messages that waited for receive WRs (after WRs were posted to the SRQ).
+    pub fn deliver_pending(self: &Arc<Self>, locked: &LockedWorker<'_>) {
+        self.locked_then_send(locked, |q| self.deliver_waiting(q));
+    }
+
     /// Executes one in-order request.
-    fn execute(self: &Arc<Self>, q: &mut Queues, h: Header, body: Body<'_>) {
+    fn execute(
+        self: &Arc<Self>,
+        q: &mut Queues,
+        h: Header,
+        body: Body<'_>,
+        receive: Option<RecvRequest>,
+    ) {
         match h.op {
             Op::Send => {
-                let wr =
-                    q.rq.pop_front()
-                        .expect("a SEND executes only with a receive posted");
-                self.deliver_receive(q, Some(wr), h, body, None);
+                self.deliver_receive(q, receive, h, body, None);
             }
             Op::Write => {
                 let len = body.len();
@@ -1024,12 +1082,7 @@ impl QueuePair {
                     self.refuse(q, &h, body);
                     return;
                 };
-                let wr = if h.flags & wire::FLAG_IMM != 0 {
-                    q.rq.pop_front()
-                } else {
-                    None
-                };
-                self.deliver_receive(q, wr, h, body, target);
+                self.deliver_receive(q, receive, h, body, target);
             }
             Op::ReadRequest => {
                 let Some(span) =

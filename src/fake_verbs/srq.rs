@@ -1,0 +1,154 @@
+//! Shared receive queues: receive WRs that any QP attached to the SRQ consumes.
+
+use super::context::{DeviceContext, EVENT_SRQ_LIMIT_REACHED};
+use super::pd::ProtectionDomain;
+use super::work::RecvRequest;
+use super::{VerbsError, device};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+struct Queue {
+    wrs: VecDeque<RecvRequest>,
+    max_wr: u32,
+    /// Armed limit (0: disarmed): when fewer WRs remain, SRQ_LIMIT_REACHED fires once.
+    limit: u32,
+}
+
+pub struct SharedReceiveQueue {
+    pub pd: Arc<ProtectionDomain>,
+    pub context: Arc<DeviceContext>,
+    pub max_sge: u32,
+    handle: AtomicUsize,
+    queue: Mutex<Queue>,
+    users: AtomicUsize,
+    /// QPs (by number) holding messages until a WR is posted here.
+    starving: Mutex<Vec<u32>>,
+}
+
+impl SharedReceiveQueue {
+    pub fn new(
+        pd: &Arc<ProtectionDomain>,
+        max_wr: u32,
+        max_sge: u32,
+        limit: u32,
+    ) -> Result<Arc<SharedReceiveQueue>, VerbsError> {
+        if max_wr == 0
+            || max_wr > device::MAX_QP_WR as u32
+            || max_sge == 0
+            || max_sge > device::MAX_SGE as u32
+        {
+            return Err(VerbsError::Invalid("srq max_wr/max_sge out of range"));
+        }
+        if limit > max_wr {
+            return Err(VerbsError::Invalid("srq_limit above max_wr"));
+        }
+        pd.adopt_child();
+        Ok(Arc::new(SharedReceiveQueue {
+            pd: Arc::clone(pd),
+            context: Arc::clone(&pd.context),
+            max_sge,
+            handle: AtomicUsize::new(0),
+            queue: Mutex::new(Queue {
+                wrs: VecDeque::new(),
+                max_wr,
+                limit,
+            }),
+            users: AtomicUsize::new(0),
+            starving: Mutex::new(Vec::new()),
+        }))
+    }
+
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn set_handle(&self, h: usize) {
+        self.handle.store(h, Ordering::Release);
+    }
+
+    /// `ibv_post_srq_recv` for one WR.
+    pub fn post(&self, req: RecvRequest) -> Result<(), VerbsError> {
+        let mut q = self.queue();
+        if q.wrs.len() >= q.max_wr as usize {
+            return Err(VerbsError::QueueFull);
+        }
+        if req.sges.len() > self.max_sge as usize {
+            return Err(VerbsError::Invalid("num_sge above the SRQ's max_sge"));
+        }
+        q.wrs.push_back(req);
+        Ok(())
+    }
+
+    /// Records that QP `qpn` waits for a WR.
+    pub fn note_starving(&self, qpn: u32) {
+        let mut s = self.starving.lock().unwrap_or_else(|p| p.into_inner());
+        if !s.contains(&qpn) {
+            s.push(qpn);
+        }
+    }
+
+    /// The QPs that waited for WRs (emptying the list).
+    pub fn take_starving(&self) -> Vec<u32> {
+        std::mem::take(&mut *self.starving.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queue().wrs.is_empty()
+    }
+
+    /// Takes the oldest WR for a QP; raises SRQ_LIMIT_REACHED when the armed limit is crossed.
+    pub fn take(&self) -> Option<RecvRequest> {
+        let mut q = self.queue();
+        let wr = q.wrs.pop_front()?;
+        if q.limit != 0 && (q.wrs.len() as u32) < q.limit {
+            q.limit = 0;
+            drop(q);
+            self.context
+                .raise(EVENT_SRQ_LIMIT_REACHED, self.handle.load(Ordering::Acquire));
+        }
+        Some(wr)
+    }
+
+    /// `ibv_modify_srq`: a new max_wr (never below what is queued) and/or an armed limit.
+    pub fn modify(&self, max_wr: Option<u32>, limit: Option<u32>) -> Result<(), VerbsError> {
+        let mut q = self.queue();
+        let new_max = max_wr.unwrap_or(q.max_wr);
+        if new_max == 0 || new_max > device::MAX_QP_WR as u32 || (new_max as usize) < q.wrs.len() {
+            return Err(VerbsError::Invalid("srq max_wr"));
+        }
+        if let Some(l) = limit {
+            if l > new_max {
+                return Err(VerbsError::Invalid("srq_limit above max_wr"));
+            }
+        }
+        q.max_wr = new_max;
+        if let Some(l) = limit {
+            q.limit = l;
+        }
+        Ok(())
+    }
+
+    /// (max_wr, max_sge, srq_limit) for `ibv_query_srq`.
+    pub fn attributes(&self) -> (u32, u32, u32) {
+        let q = self.queue();
+        (q.max_wr, self.max_sge, q.limit)
+    }
+
+    pub fn adopt_user(&self) {
+        self.users.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn release_user(&self) {
+        self.users.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// `ibv_destroy_srq` fails with EBUSY while QPs use the SRQ.
+    pub fn destroy(&self) -> Result<(), VerbsError> {
+        if self.users.load(Ordering::Acquire) != 0 {
+            return Err(VerbsError::Busy("srq still used by queue pairs"));
+        }
+        self.pd.release_child();
+        Ok(())
+    }
+}
