@@ -931,7 +931,7 @@ fn same_device_pointer_in_every_list_and_distinct_lids_per_process() {
 }
 
 #[test]
-fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects() {
+fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects_and_null_is_einval() {
     unsafe extern "C" {
         fn ibv_create_srq(pd: *mut ibv_pd, attr: *mut ibv_srq_init_attr) -> *mut ibv_srq;
         fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah;
@@ -950,16 +950,6 @@ fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects() {
     let qp = dev.rc_qp(cq, cq, 2);
     let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
     unsafe {
-        let mut sattr = ibv_srq_init_attr {
-            attr: ibv_srq_attr {
-                max_wr: 4,
-                max_sge: 1,
-                srq_limit: 0,
-            },
-            ..Default::default()
-        };
-        assert!(ibv_create_srq(dev.pd, &mut sattr).is_null());
-        assert_eq!(errno(), libc::EOPNOTSUPP);
         let mut ah = ibv_ah_attr {
             dlid: dev.lid,
             port_num: 1,
@@ -973,6 +963,14 @@ fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects() {
             ibv_rereg_mr(buf.mr, 0, null_mut(), null_mut(), 0, 0),
             libc::EOPNOTSUPP
         );
+        let mut sattr = ibv_srq_init_attr {
+            attr: ibv_srq_attr {
+                max_wr: 4,
+                max_sge: 1,
+                srq_limit: 0,
+            },
+            ..Default::default()
+        };
         assert!(ibv_create_srq(null_mut(), &mut sattr).is_null());
         assert_eq!(errno(), libc::EINVAL);
         ibv_destroy_qp(qp);
