@@ -29,6 +29,30 @@ fn ibv_devices_lists_ugdr0() {
 }
 
 #[test]
+fn ibv_devinfo_shows_an_active_infiniband_port() {
+    let out = run(
+        preloaded("ibv_devinfo", &[]),
+        "ibv_devinfo",
+        Duration::from_secs(30),
+    );
+    assert_success(&out, "ibv_devinfo");
+    let s = stdout(&out);
+    for needle in [
+        "hca_id:\tugdr0",
+        "state:\t\t\tPORT_ACTIVE (4)",
+        "link_layer:\t\tInfiniBand",
+    ] {
+        assert!(s.contains(needle), "missing {needle:?}\n{}", text(&out));
+    }
+    let lid = s
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("port_lid:"))
+        .map(|v| v.trim().parse::<u16>().expect("a decimal LID"))
+        .unwrap_or_else(|| panic!("no port_lid line\n{}", text(&out)));
+    assert_ne!(lid, 0, "the LID must be non-zero");
+}
+
+#[test]
 fn ibv_devinfo_verbose_shows_an_active_infiniband_port() {
     let out = run(
         preloaded("ibv_devinfo", &["-v"]),

@@ -5,10 +5,13 @@
 //! /run, so only the network joins them).
 #![allow(dead_code)]
 
+use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// `target/<profile>/libugdr.so`, next to the `ugdr` binary cargo built for this test.
@@ -28,7 +31,15 @@ pub fn ugdr_bin() -> PathBuf {
 }
 
 /// Fails the test (never skips) when a program the test needs is not installed.
+/// A `program` containing a `/` is a path and must exist as given.
 pub fn require(program: &str) -> String {
+    if program.contains('/') {
+        assert!(
+            std::path::Path::new(program).is_file(),
+            "{program} does not exist"
+        );
+        return program.to_string();
+    }
     let found = std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
@@ -59,9 +70,49 @@ pub fn free_port() -> u16 {
     }
 }
 
-/// A child in its own process group; dropping it kills the group.
+/// What a child wrote to one of its pipes, read by a thread as it arrives, so that a child
+/// writing more than a pipe buffer (64 KiB; e.g. with `UGDR_LOG=trace`) never blocks on it.
+struct Capture {
+    bytes: Arc<Mutex<Vec<u8>>>,
+    reader: JoinHandle<()>,
+}
+
+impl Capture {
+    fn start(mut pipe: impl Read + Send + 'static) -> Capture {
+        let bytes = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&bytes);
+        let reader = std::thread::spawn(move || {
+            let mut chunk = [0u8; 65536];
+            loop {
+                match pipe.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(n) => sink.lock().unwrap().extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+        });
+        Capture { bytes, reader }
+    }
+
+    /// Everything read so far; waits up to `grace` for the writer side to close first.
+    fn take(self, grace: Duration) -> Vec<u8> {
+        let until = Instant::now() + grace;
+        while !self.reader.is_finished() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::mem::take(&mut *self.bytes.lock().unwrap())
+    }
+}
+
+/// A child in its own process group (so that everything it starts can be killed with it),
+/// with its stdout and stderr captured; dropping it kills the group.
 pub struct Guarded {
     child: Option<Child>,
+    /// The group's id: the child's pid, kept after the child is reaped.
+    pgid: i32,
+    stdout: Option<Capture>,
+    stderr: Option<Capture>,
     what: String,
 }
 
@@ -71,56 +122,86 @@ impl Guarded {
             .stderr(Stdio::piped())
             .stdin(Stdio::null())
             .process_group(0);
-        let child = cmd
+        let mut child = cmd
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+            .unwrap_or_else(|e| panic!("cannot start {what} ({cmd:?}): {e}"));
+        let stdout = child.stdout.take().map(Capture::start);
+        let stderr = child.stderr.take().map(Capture::start);
         Guarded {
+            pgid: child.id() as i32,
             child: Some(child),
+            stdout,
+            stderr,
             what: what.to_string(),
         }
     }
 
-    fn kill_group(&mut self) {
-        if let Some(c) = &self.child {
-            // SAFETY: killpg with the child's pid, which leads its own process group.
-            unsafe { libc::killpg(c.id() as i32, libc::SIGKILL) };
+    fn kill_group(&self) {
+        // SAFETY: killpg has no memory preconditions; `pgid` is the group this child leads
+        // (process_group(0)), so only the child and what it started receive the signal.
+        unsafe { libc::killpg(self.pgid, libc::SIGKILL) };
+    }
+
+    /// Reaps the child, kills what is left of its group, and collects its output.
+    fn finish(&mut self, status: ExitStatus) -> Output {
+        // Anything the child left behind in its group (a background helper) would keep the
+        // pipes open; the test is over for it.
+        self.kill_group();
+        let grace = Duration::from_secs(5);
+        Output {
+            status,
+            stdout: self
+                .stdout
+                .take()
+                .map(|c| c.take(grace))
+                .unwrap_or_default(),
+            stderr: self
+                .stderr
+                .take()
+                .map(|c| c.take(grace))
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Waits until `deadline`. `Ok`: the child exited. `Err`: the deadline passed; the whole
+    /// group was killed and the output is what it wrote until then.
+    pub fn wait_until(mut self, deadline: Instant) -> Result<Output, Output> {
+        let mut child = self.child.take().expect("child");
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Ok(self.finish(status)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Ok(None) => {
+                    self.kill_group();
+                    let status = child.wait().expect("wait for a killed child");
+                    return Err(self.finish(status));
+                }
+                Err(e) => {
+                    self.kill_group();
+                    panic!("cannot wait for {}: {e}", self.what)
+                }
+            }
         }
     }
 
     /// Waits until `deadline`; past it, kills the group and panics with what it printed.
-    pub fn wait(mut self, deadline: Instant) -> Output {
-        let mut child = self.child.take().expect("child");
-        loop {
-            match child.try_wait() {
-                Ok(Some(_)) => return child.wait_with_output().expect("output"),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
-                _ => {
-                    // SAFETY: as in kill_group.
-                    unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
-                    let out = child.wait_with_output().expect("output");
-                    panic!(
-                        "{} timed out\n--- stdout\n{}\n--- stderr\n{}",
-                        self.what,
-                        String::from_utf8_lossy(&out.stdout),
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                }
-            }
+    pub fn wait(self, deadline: Instant) -> Output {
+        let what = self.what.clone();
+        match self.wait_until(deadline) {
+            Ok(out) => out,
+            Err(out) => panic!("{what} timed out (process group killed)\n{}", text(&out)),
         }
     }
 
     /// Panics with the process's output if it already ended (a server that died before it
     /// listened).
     pub fn assert_running(&mut self) {
-        if matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(Some(_)))) {
-            let out = self
-                .child
-                .take()
-                .expect("child")
-                .wait_with_output()
-                .expect("output");
+        let exited = self.child.as_mut().map(|c| c.try_wait());
+        if let Some(Ok(Some(status))) = exited {
+            self.child = None;
+            let out = self.finish(status);
             panic!(
                 "{} exited early ({})\n{}",
                 self.what,
@@ -133,8 +214,8 @@ impl Guarded {
 
 impl Drop for Guarded {
     fn drop(&mut self) {
-        self.kill_group();
         if let Some(mut c) = self.child.take() {
+            self.kill_group();
             let _ = c.wait();
         }
     }
@@ -177,7 +258,8 @@ pub fn listening(port: u16, proc_net_tcp: &str) -> bool {
 }
 
 /// Starts `server`, waits until `listening(port)` (read from /proc, without connecting, so
-/// servers that accept exactly one client are not disturbed), then runs `client`.
+/// servers that accept exactly one client are not disturbed), then runs `client`. Both share
+/// one deadline; past it both groups are killed and the test fails showing both outputs.
 fn run_server_client(
     server: Command,
     client: Command,
@@ -189,15 +271,32 @@ fn run_server_client(
     let mut srv = Guarded::spawn(server, "server");
     while !listening(port) {
         srv.assert_running();
-        assert!(
-            Instant::now() < deadline,
-            "server never listened on port {port}"
-        );
+        if Instant::now() >= deadline {
+            let out = srv.wait_until(Instant::now()).unwrap_or_else(|o| o);
+            panic!(
+                "server never listened on port {port} within {timeout:?}\n{}",
+                text(&out)
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let c = Guarded::spawn(client, "client").wait(deadline);
-    let s = srv.wait(deadline);
-    (s, c)
+    let c = Guarded::spawn(client, "client").wait_until(deadline);
+    // A client that timed out leaves the server waiting for it: stop the server now.
+    let s = srv.wait_until(if c.is_ok() { deadline } else { Instant::now() });
+    match (s, c) {
+        (Ok(s), Ok(c)) => (s, c),
+        (s, c) => {
+            let state = |r: &Result<Output, Output>| if r.is_ok() { "exited" } else { "timed out" };
+            panic!(
+                "server/client pair did not finish within {timeout:?}: server {}, client {}\n\
+                 === server\n{}\n=== client\n{}",
+                state(&s),
+                state(&c),
+                text(s.as_ref().unwrap_or_else(|o| o)),
+                text(c.as_ref().unwrap_or_else(|o| o)),
+            );
+        }
+    }
 }
 
 /// Server and client on this host.
@@ -238,15 +337,29 @@ impl NetnsPair {
         );
         require("ip");
         require("unshare");
-        let id = format!("{}{}", tag, std::process::id() % 100_000);
-        let lib_dir = PathBuf::from(format!("/var/tmp/ugdr-netns-{id}"));
-        std::fs::create_dir_all(&lib_dir).expect("create /var/tmp dir");
-        std::fs::copy(lib_path(), lib_dir.join("libugdr.so")).expect("copy libugdr.so");
+        // Unique among parallel tests (the counter) and parallel runs (the pid).
+        static PAIRS: AtomicU16 = AtomicU16::new(0);
+        let id = format!(
+            "{tag}-{}-{}",
+            std::process::id(),
+            PAIRS.fetch_add(1, Ordering::Relaxed)
+        );
+        let lib = lib_path();
+        // From here on, Drop removes whatever was set up, also when a step below fails.
         let pair = NetnsPair {
             a: format!("ugdrA{id}"),
             b: format!("ugdrB{id}"),
-            lib_dir,
+            lib_dir: PathBuf::from(format!("/var/tmp/ugdr-netns-{id}")),
         };
+        std::fs::create_dir_all(&pair.lib_dir)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", pair.lib_dir.display()));
+        pair.stage(&lib);
+        // The names carry this process's pid: namespaces left with them by a run that was
+        // killed before its Drop are stale, and are replaced.
+        let _ = Command::new("bash")
+            .arg(script())
+            .args(["down", &pair.a, &pair.b])
+            .output();
         let out = Command::new("bash")
             .arg(script())
             .args(["up", &pair.a, &pair.b])
@@ -260,20 +373,51 @@ impl NetnsPair {
         pair
     }
 
+    /// The libugdr.so that commands in the namespaces preload (reachable inside them).
+    pub fn preload_path(&self) -> PathBuf {
+        self.lib_dir.join("libugdr.so")
+    }
+
+    /// A directory on the host's file system that the commands in both namespaces can
+    /// reach (and write to); removed with the pair.
+    pub fn stage_dir(&self) -> &std::path::Path {
+        &self.lib_dir
+    }
+
+    /// A copy of `file` (e.g. a helper program built under target/) at a path that is
+    /// reachable inside the namespaces, which mount their own /tmp, /dev/shm and /run.
+    pub fn stage(&self, file: &std::path::Path) -> PathBuf {
+        let to = self
+            .lib_dir
+            .join(file.file_name().expect("a file name to stage"));
+        std::fs::copy(file, &to)
+            .unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", file.display(), to.display()));
+        to
+    }
+
     /// `program args` inside namespace `ns`, in its own IPC and mount namespace with private
     /// /dev/shm, /tmp and /run, with only libugdr.so preloaded.
     pub fn command(&self, ns: &str, program: &str, args: &[&str]) -> Command {
+        let preload = format!("LD_PRELOAD={}", self.preload_path().display());
+        let mut c = self.command_without_ugdr(ns, "env", &[&preload, &require(program)]);
+        c.args(args);
+        c
+    }
+
+    /// `program args` inside namespace `ns`, isolated as in [`NetnsPair::command`], with no
+    /// preload at all (for checking the namespaces themselves).
+    pub fn command_without_ugdr(&self, ns: &str, program: &str, args: &[&str]) -> Command {
+        assert!(
+            ns == self.a || ns == self.b,
+            "{ns} is not one of this pair's namespaces ({}, {})",
+            self.a,
+            self.b
+        );
         let mut c = Command::new("bash");
         c.arg(script())
-            .args([
-                "exec",
-                ns,
-                "env",
-                &format!("LD_PRELOAD={}", self.lib_dir.join("libugdr.so").display()),
-                &require(program),
-            ])
-            .args(args);
-        c.env_remove("LD_PRELOAD");
+            .args(["exec", ns, &require(program)])
+            .args(args)
+            .env_remove("LD_PRELOAD");
         c
     }
 
