@@ -8,6 +8,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod capi;
+pub mod cm;
 pub mod engine;
 pub mod fake_verbs;
 mod log;

@@ -20,7 +20,7 @@ use std::sync::{Arc, LazyLock, Once, OnceLock};
 static DEVICE: OnceLock<DeviceShell> = OnceLock::new();
 
 /// ugdr's one device, built once: the same pointer in every list (rdma_get_devices relies on it).
-fn device() -> &'static DeviceShell {
+pub(crate) fn device() -> &'static DeviceShell {
     DEVICE.get_or_init(|| {
         let mut dev = ibv_device {
             node_type: ibv_node_type::IBV_NODE_CA,

@@ -46,7 +46,7 @@ unsafe fn our_cq<'a>(cq: *mut ibv_cq) -> Option<&'a CqShell> {
 
 /// # Safety
 /// `qp` is NULL or a valid `ibv_qp`.
-unsafe fn our_qp<'a>(qp: *mut ibv_qp) -> Option<&'a QpShell> {
+pub(crate) unsafe fn our_qp<'a>(qp: *mut ibv_qp) -> Option<&'a QpShell> {
     if qp.is_null() {
         return None;
     }

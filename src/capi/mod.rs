@@ -12,3 +12,5 @@ mod ibv_srq;
 pub(crate) mod layout;
 mod ops;
 mod passthrough;
+mod rdma_addrinfo;
+mod rdma_cm;

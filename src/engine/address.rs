@@ -307,7 +307,8 @@ pub fn resolve(
     Err(last)
 }
 
-fn query_port() -> u16 {
+/// The TCP port of the LID query service (`UGDR_PORT`, default 18517).
+pub fn query_port() -> u16 {
     std::env::var("UGDR_PORT")
         .ok()
         .and_then(|p| p.parse().ok())

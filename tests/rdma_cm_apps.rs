@@ -1,0 +1,184 @@
+//! rdmacm-utils and perftest's `-R` mode, unmodified, connecting through ugdr's librdmacm
+//! emulation: on 127.0.0.1, on ::1, and across two network namespaces.
+
+mod harness;
+
+use harness::*;
+use std::time::Duration;
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Server and client of `program` on this host; both must exit 0.
+fn pair(
+    program: &str,
+    server: &[&str],
+    client: &[&str],
+    port: u16,
+    timeout_s: u64,
+) -> (String, String) {
+    programs((program, server), (program, client), port, timeout_s)
+}
+
+/// `server` and `client` (program, arguments) on this host; both must exit 0.
+fn programs(
+    server: (&str, &[&str]),
+    client: (&str, &[&str]),
+    port: u16,
+    timeout_s: u64,
+) -> (String, String) {
+    let (s, c) = run_pingpong(
+        preloaded(server.0, server.1),
+        preloaded(client.0, client.1),
+        port,
+        Duration::from_secs(timeout_s),
+    );
+    assert_success(&s, &format!("{server:?}"));
+    assert_success(&c, &format!("{client:?}"));
+    (stdout(&s), stdout(&c))
+}
+
+/// `rping` with verification, verbose data lines, `count` pings of `size` bytes.
+fn rping(addr: &str, extra: &[&str], count: usize) {
+    let port = free_port();
+    let p = port.to_string();
+    let n = count.to_string();
+    let mut common = vec!["-a", addr, "-p", &p, "-C", &n, "-S", "1000", "-V", "-v"];
+    common.extend_from_slice(extra);
+    let mut s = vec!["-s"];
+    s.extend_from_slice(&common);
+    let mut c = vec!["-c"];
+    c.extend_from_slice(&common);
+    let (sout, cout) = pair("rping", &s, &c, port, 120);
+    // Each ping is a SEND, an RDMA READ by the server, a SEND, an RDMA WRITE by the server:
+    // both sides print every ping's data, and -V checked the written copy.
+    for (who, out) in [("server", &sout), ("client", &cout)] {
+        let lines = out
+            .lines()
+            .filter(|l| l.contains("ping data: rdma-ping-"))
+            .count();
+        assert_eq!(lines, count, "{who} printed {lines} pings\n{out}");
+    }
+    assert!(
+        cout.contains(&format!("rdma-ping-{}: ", count - 1)),
+        "{cout}"
+    );
+}
+
+#[test]
+fn rping_200_verified_pings_of_1000_bytes() {
+    rping("127.0.0.1", &[], 200);
+}
+
+#[test]
+fn rping_with_queue_pairs_the_application_moves_itself() {
+    rping("127.0.0.1", &["-q"], 50);
+}
+
+#[test]
+fn rping_over_ipv6_loopback() {
+    rping("::1", &[], 20);
+}
+
+#[test]
+fn rping_across_two_hosts() {
+    let ns = NetnsPair::new("r");
+    let port = free_port();
+    let p = port.to_string();
+    let common = [
+        "-a", ADDR_A, "-p", &p, "-C", "100", "-S", "1000", "-V", "-v",
+    ];
+    let mut s = vec!["-s"];
+    s.extend_from_slice(&common);
+    let mut c = vec!["-c"];
+    c.extend_from_slice(&common);
+    let (so, co) = ns.run_pingpong(
+        ns.command(&ns.a, "rping", &s),
+        ns.command(&ns.b, "rping", &c),
+        port,
+        Duration::from_secs(120),
+    );
+    assert_success(&so, "rping server in namespace A");
+    assert_success(&co, "rping client in namespace B");
+    let pings = stdout(&co)
+        .lines()
+        .filter(|l| l.contains("ping data: rdma-ping-"))
+        .count();
+    assert_eq!(pings, 100, "{}", text(&co));
+}
+
+fn ucmatose(connections: &str) {
+    let port = free_port();
+    let p = port.to_string();
+    let (s, c) = pair(
+        "ucmatose",
+        &["-p", &p, "-c", connections],
+        &["-s", "127.0.0.1", "-p", &p, "-c", connections],
+        port,
+        120,
+    );
+    for (who, out) in [("server", &s), ("client", &c)] {
+        assert!(out.contains("data transfers complete"), "{who}\n{out}");
+        assert!(out.contains("test complete"), "{who}\n{out}");
+        assert!(out.contains("return status 0"), "{who}\n{out}");
+        assert!(!out.contains("failed"), "{who}\n{out}");
+    }
+}
+
+#[test]
+fn ucmatose_one_connection() {
+    ucmatose("1");
+}
+
+#[test]
+fn ucmatose_eight_connections() {
+    ucmatose("8");
+}
+
+#[test]
+fn ucmatose_sixty_four_connections_to_one_listener() {
+    ucmatose("64");
+}
+
+#[test]
+fn rdma_server_and_rdma_client() {
+    let port = free_port();
+    let p = port.to_string();
+    let (s, c) = programs(
+        ("rdma_server", &["-s", "127.0.0.1", "-p", &p]),
+        ("rdma_client", &["-s", "127.0.0.1", "-p", &p]),
+        port,
+        60,
+    );
+    assert!(s.contains("rdma_server: end 0"), "{s}");
+    assert!(c.contains("rdma_client: end 0"), "{c}");
+}
+
+fn perftest_r(program: &str) {
+    let port = free_port();
+    let p = port.to_string();
+    let (_, c) = pair(
+        program,
+        &["-R", "-p", &p, "-n", "1000"],
+        &["-R", "-p", &p, "-n", "1000", "127.0.0.1"],
+        port,
+        120,
+    );
+    assert!(c.contains("#bytes"), "no result table\n{c}");
+}
+
+#[test]
+fn ib_send_bw_over_rdma_cm() {
+    perftest_r("ib_send_bw");
+}
+
+#[test]
+fn ib_write_lat_over_rdma_cm() {
+    perftest_r("ib_write_lat");
+}
+
+#[test]
+fn ib_read_bw_over_rdma_cm() {
+    perftest_r("ib_read_bw");
+}
