@@ -1313,8 +1313,9 @@ impl QueuePair {
         if let Body::Held(d) = body {
             q.outbox.push(Deferred::Release(d));
         }
-        self.send_ack(q, h.seq, Some(Nak::RemoteAccess));
+        // Earlier requests that already took effect are acknowledged before the NAK.
         self.release_landed(q);
+        self.send_ack(q, h.seq, Some(Nak::RemoteAccess));
         self.raise(EVENT_QP_ACCESS_ERR);
         q.state = QpState::Err;
         self.flush(q);
