@@ -78,28 +78,8 @@ fn ibv_devinfo_verbose_shows_an_active_infiniband_port() {
     assert_ne!(lid, "0", "the LID must be non-zero");
 }
 
-/// `ibv_rc_pingpong` server and client with `opts`; both must exit 0 and report the transfer.
 fn rc_pingpong(opts: &[&str], timeout_s: u64) {
-    let port = free_port().to_string();
-    let mut sargs = vec!["-p", port.as_str()];
-    sargs.extend_from_slice(opts);
-    let mut cargs = sargs.clone();
-    cargs.push("127.0.0.1");
-    let (s, c) = run_pingpong(
-        preloaded("ibv_rc_pingpong", &sargs),
-        preloaded("ibv_rc_pingpong", &cargs),
-        port.parse().unwrap(),
-        Duration::from_secs(timeout_s),
-    );
-    assert_success(&s, &format!("ibv_rc_pingpong server {opts:?}"));
-    assert_success(&c, &format!("ibv_rc_pingpong client {opts:?}"));
-    for o in [&s, &c] {
-        assert!(
-            stdout(o).contains("bytes in") && stdout(o).contains("iters in"),
-            "no transfer report\n{}",
-            text(o)
-        );
-    }
+    pingpong("ibv_rc_pingpong", opts, timeout_s);
 }
 
 #[test]
@@ -159,20 +139,7 @@ fn rc_pingpong_rx_depth_1() {
 
 fn rc_pingpong_across_namespaces(tag: &str, opts: &[&str]) {
     let ns = NetnsPair::new(tag);
-    let port = free_port().to_string();
-    let mut sargs = vec!["-p", port.as_str()];
-    sargs.extend_from_slice(opts);
-    let mut cargs = sargs.clone();
-    cargs.push(ADDR_A);
-    let (s, c) = ns.run_pingpong(
-        ns.command(&ns.a, "ibv_rc_pingpong", &sargs),
-        ns.command(&ns.b, "ibv_rc_pingpong", &cargs),
-        port.parse().unwrap(),
-        Duration::from_secs(120),
-    );
-    assert_success(&s, "server in namespace A");
-    assert_success(&c, "client in namespace B");
-    assert!(stdout(&c).contains("iters in"), "{}", text(&c));
+    let c = pingpong_across_namespaces(&ns, "ibv_rc_pingpong", opts, 120);
     // The two sides got LIDs of two different hosts (the host tag is the LID's high byte).
     let lids: Vec<String> = stdout(&c)
         .lines()
@@ -242,27 +209,6 @@ fn ugdr_info_shows_the_port() {
         s.contains("ugdr0") && s.contains("lid:") && s.contains("gid[0]:") && s.contains("ucx:"),
         "{}",
         text(&out)
-    );
-}
-
-fn pingpong(program: &str, opts: &[&str], timeout_s: u64) {
-    let port = free_port().to_string();
-    let mut sargs = vec!["-p", port.as_str()];
-    sargs.extend_from_slice(opts);
-    let mut cargs = sargs.clone();
-    cargs.push("127.0.0.1");
-    let (s, c) = run_pingpong(
-        preloaded(program, &sargs),
-        preloaded(program, &cargs),
-        port.parse().unwrap(),
-        Duration::from_secs(timeout_s),
-    );
-    assert_success(&s, &format!("{program} server {opts:?}"));
-    assert_success(&c, &format!("{program} client {opts:?}"));
-    assert!(
-        stdout(&c).contains("iters in"),
-        "no transfer report\n{}",
-        text(&c)
     );
 }
 

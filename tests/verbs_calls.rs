@@ -934,7 +934,6 @@ fn same_device_pointer_in_every_list_and_distinct_lids_per_process() {
 fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects_and_null_is_einval() {
     unsafe extern "C" {
         fn ibv_create_srq(pd: *mut ibv_pd, attr: *mut ibv_srq_init_attr) -> *mut ibv_srq;
-        fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah;
         fn ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int;
         fn ibv_rereg_mr(
             mr: *mut ibv_mr,
@@ -950,13 +949,6 @@ fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects_and_null_is_einval() {
     let qp = dev.rc_qp(cq, cq, 2);
     let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
     unsafe {
-        let mut ah = ibv_ah_attr {
-            dlid: dev.lid,
-            port_num: 1,
-            ..Default::default()
-        };
-        assert!(ibv_create_ah(dev.pd, &mut ah).is_null());
-        assert_eq!(errno(), libc::EOPNOTSUPP);
         let gid = ibv_gid::default();
         assert_eq!(ibv_attach_mcast(qp, &gid, 0xc001), libc::EOPNOTSUPP);
         assert_eq!(

@@ -1,4 +1,4 @@
-//! Verbs ugdr does not carry yet (address handles, multicast, re-registration, ECE,
+//! Verbs ugdr does not carry yet (multicast, re-registration, ECE,
 //! dma-buf MRs). Each is exported all the same: given one of ugdr's objects it fails as a
 //! device without the feature does (NULL/errno EOPNOTSUPP, or EOPNOTSUPP), instead of letting
 //! the real libibverbs read ugdr's objects as its own; given a real library's object it
@@ -15,10 +15,6 @@ mod real {
     use super::*;
 
     real_functions! {
-    ibv_create_ah @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_ah_attr) -> *mut ibv_ah;
-    ibv_destroy_ah @ "IBVERBS_1.1": fn(*mut ibv_ah) -> c_int;
-    ibv_init_ah_from_wc @ "IBVERBS_1.1": fn(*mut ibv_context, u8, *mut ibv_wc, *mut ibv_grh, *mut ibv_ah_attr) -> c_int;
-    ibv_create_ah_from_wc @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_wc, *mut ibv_grh, u8) -> *mut ibv_ah;
     ibv_attach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
     ibv_detach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
     ibv_rereg_mr @ "IBVERBS_1.1": fn(*mut ibv_mr, c_int, *mut ibv_pd, *mut c_void, usize, c_int) -> c_int;
@@ -57,23 +53,6 @@ macro_rules! not_yet {
     };
 }
 
-not_yet! {
-    /// Address handles (UD): not yet (NULL, errno EOPNOTSUPP).
-    ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah,
-    context = (*pd).context, ours = <*mut ibv_ah>::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    ibv_destroy_ah(ah: *mut ibv_ah) -> c_int,
-    context = (*ah).context, ours = c_int::fail(libc::EINVAL);
-}
-not_yet! {
-    ibv_init_ah_from_wc(ctx: *mut ibv_context, port: u8, wc: *mut ibv_wc, grh: *mut ibv_grh, attr: *mut ibv_ah_attr) -> c_int,
-    context = ctx, ours = c_int::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    ibv_create_ah_from_wc(pd: *mut ibv_pd, wc: *mut ibv_wc, grh: *mut ibv_grh, port: u8) -> *mut ibv_ah,
-    context = (*pd).context, ours = <*mut ibv_ah>::fail(libc::EOPNOTSUPP);
-}
 not_yet! {
     /// Multicast (UD): not yet.
     ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,

@@ -35,7 +35,7 @@ pub unsafe extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
 
 /// # Safety
 /// `pd` is NULL or a valid `ibv_pd` (ugdr's or the real library's).
-unsafe fn our_pd<'a>(pd: *mut ibv_pd) -> Option<&'a PdShell> {
+pub(crate) unsafe fn our_pd<'a>(pd: *mut ibv_pd) -> Option<&'a PdShell> {
     if pd.is_null() {
         return None;
     }

@@ -1,6 +1,7 @@
 //! Queue pairs: create/modify/query/destroy, the post paths, and the `ibv_wr_*` builders.
 
 use super::boundary::{Fallback, ffi_boundary, status};
+use super::ibv_ah::our_ah;
 use super::layout::{ContextShell, CqShell, PdShell, QpShell, WrBatch, owned_context};
 use super::{ops, passthrough};
 use crate::engine::Engine;
@@ -9,7 +10,7 @@ use crate::fake_verbs::qp::{
     AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps, QueuePair,
 };
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
-use crate::fake_verbs::work::{RecvRequest, SendOpcode, SendRequest, Sge, SgeList};
+use crate::fake_verbs::work::{RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination};
 use crate::sys::*;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_void};
@@ -20,15 +21,26 @@ const SEND_SIGNALED: u32 = ibv_send_flags::IBV_SEND_SIGNALED.0;
 const SEND_SOLICITED: u32 = ibv_send_flags::IBV_SEND_SOLICITED.0;
 const SEND_INLINE: u32 = ibv_send_flags::IBV_SEND_INLINE.0;
 
-/// The send opcodes ugdr's RC QPs carry, as `ibv_qp_create_send_ops_flags`.
-const SUPPORTED_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0
-    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0
-    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
-    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0
-    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0
-    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
-    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD.0)
-    as u64;
+/// The send opcodes each QP type carries, as `ibv_qp_create_send_ops_flags` (rxe's
+/// `RXE_SUP_{RC,UC,UD}_QP_SEND_OPS_FLAGS`).
+const UD_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0
+    | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0) as u64;
+const UC_SEND_OPS: u64 = UD_SEND_OPS
+    | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0) as u64;
+const RC_SEND_OPS: u64 = UC_SEND_OPS
+    | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD.0) as u64;
+
+fn supported_send_ops(qp_type: u32) -> u64 {
+    match QpType::from_raw(qp_type) {
+        Some(QpType::Rc) => RC_SEND_OPS,
+        Some(QpType::Uc) => UC_SEND_OPS,
+        Some(QpType::Ud) => UD_SEND_OPS,
+        _ => 0,
+    }
+}
 const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
     | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
 
@@ -102,9 +114,10 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
         ))
     };
     let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
-    if qp_type != QpType::Rc {
+    if !matches!(qp_type, QpType::Rc | QpType::Uc | QpType::Ud) {
+        // XRC (and raw packet) QPs: not carried, as on a device without XRC support.
         return Err(VerbsError::Unsupported(
-            "queue pair type (ugdr carries RC queue pairs)",
+            "queue pair type (ugdr carries RC, UC and UD queue pairs)",
         ));
     }
     let caps = QpCaps::grant(QpCaps {
@@ -216,12 +229,14 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 == 0 || a.pd.is_null() {
             return <*mut ibv_qp>::fail(libc::EINVAL);
         }
+        let supported_ops = supported_send_ops(a.qp_type.0);
         if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0 != 0
-            && a.send_ops_flags & !SUPPORTED_SEND_OPS != 0
+            && a.send_ops_flags & !supported_ops != 0
         {
             tracing::debug!(
-                "ibv_create_qp_ex: send_ops_flags {:#x} not supported",
-                a.send_ops_flags & !SUPPORTED_SEND_OPS
+                "ibv_create_qp_ex: send_ops_flags {:#x} not supported for qp_type {}",
+                a.send_ops_flags & !supported_ops,
+                a.qp_type.0
             );
             return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
         }
@@ -260,7 +275,7 @@ pub unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
     })
 }
 
-fn av_from(a: &ibv_ah_attr) -> AddressVector {
+pub(crate) fn av_from(a: &ibv_ah_attr) -> AddressVector {
     AddressVector {
         dlid: a.dlid,
         sl: a.sl,
@@ -549,9 +564,31 @@ fn inline_bytes(sges: &[Sge]) -> Vec<u8> {
     out
 }
 
+/// The destination of a UD send, from `wr.ud` or `ibv_wr_set_ud_addr`.
+///
+/// # Safety
+/// `ah` is NULL or a valid `ibv_ah`.
+unsafe fn ud_destination(
+    ah: *mut ibv_ah,
+    remote_qpn: u32,
+    remote_qkey: u32,
+) -> Result<UdDestination, VerbsError> {
+    // SAFETY: forwarded contract.
+    let shell = unsafe { our_ah(ah) }.ok_or(VerbsError::Invalid("ah"))?;
+    Ok(UdDestination {
+        ah: Arc::clone(&shell.inner),
+        remote_qpn: remote_qpn & 0xff_ffff,
+        remote_qkey,
+    })
+}
+
 /// # Safety
 /// `wr` points to a valid `ibv_send_wr`.
-unsafe fn send_request(wr: *const ibv_send_wr, max_inline: u32) -> Result<SendRequest, VerbsError> {
+unsafe fn send_request(
+    wr: *const ibv_send_wr,
+    max_inline: u32,
+    qp_type: QpType,
+) -> Result<SendRequest, VerbsError> {
     // SAFETY: caller's contract.
     let w = unsafe { &*wr };
     let opcode = SendOpcode::from_raw(w.opcode.0).ok_or(VerbsError::Invalid("opcode"))?;
@@ -585,6 +622,14 @@ unsafe fn send_request(wr: *const ibv_send_wr, max_inline: u32) -> Result<SendRe
             ),
         }
     };
+    let ud = if qp_type == QpType::Ud {
+        // SAFETY: a UD QP's WRs carry the `ud` member of the union.
+        let (ah, qpn, qkey) = unsafe { (w.wr.ud.ah, w.wr.ud.remote_qpn, w.wr.ud.remote_qkey) };
+        // SAFETY: the application's address handle (or NULL).
+        Some(unsafe { ud_destination(ah, qpn, qkey) }?)
+    } else {
+        None
+    };
     Ok(SendRequest {
         wr_id: w.wr_id,
         opcode,
@@ -598,6 +643,7 @@ unsafe fn send_request(wr: *const ibv_send_wr, max_inline: u32) -> Result<SendRe
         rkey,
         compare_add,
         swap,
+        ud,
     })
 }
 
@@ -621,7 +667,7 @@ pub(crate) unsafe extern "C" fn post_send(
         let mut cur = wr;
         while !cur.is_null() {
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
-            let result = unsafe { send_request(cur, qp_obj.caps.max_inline_data) }
+            let result = unsafe { send_request(cur, qp_obj.caps.max_inline_data, qp_obj.qp_type) }
                 .and_then(|req| qp_obj.post_send(&locked, req));
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
@@ -711,6 +757,7 @@ fn new_request(qp: *mut ibv_qp_ex, opcode: SendOpcode) -> SendRequest {
         rkey: 0,
         compare_add: 0,
         swap: 0,
+        ud: None,
     }
 }
 
@@ -942,7 +989,29 @@ refused_builder!(wr_bind_mw, *mut ibv_mw, u32, *const ibv_mw_bind_info);
 refused_builder!(wr_local_inv, u32);
 refused_builder!(wr_send_inv, u32);
 refused_builder!(wr_send_tso, *mut c_void, u16, u16);
-refused_builder!(wr_set_ud_addr, *mut ibv_ah, u32, u32);
+
+unsafe extern "C" fn wr_set_ud_addr(
+    qp: *mut ibv_qp_ex,
+    ah: *mut ibv_ah,
+    remote_qpn: u32,
+    remote_qkey: u32,
+) {
+    ffi_boundary!("ibv_wr_set_ud_addr", {
+        // SAFETY: see `batch`.
+        let (shell, b) = unsafe { batch(qp) };
+        if shell.inner.qp_type != QpType::Ud {
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        // SAFETY: the application's address handle (or NULL).
+        match unsafe { ud_destination(ah, remote_qpn, remote_qkey) } {
+            Ok(dest) => with_last(b, |r| r.ud = Some(dest)),
+            Err(_) => {
+                b.error.get_or_insert(libc::EINVAL);
+            }
+        }
+    })
+}
 refused_builder!(wr_set_xrc_srqn, u32);
 refused_builder!(wr_atomic_write, u32, u64, *const c_void);
 

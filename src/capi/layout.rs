@@ -3,6 +3,7 @@
 //! One `from_raw` per type (rxe's `to_rqp()`); every `ibv_*` field sits in an `UnsafeCell`
 //! because the application reads (and, for `ibv_qp_ex.wr_id`, writes) fields ugdr updates.
 
+use crate::fake_verbs::ah::AddressHandle;
 use crate::fake_verbs::context::DeviceContext;
 use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
 use crate::fake_verbs::mr::MemoryRegion;
@@ -142,6 +143,10 @@ shell!(
 shell!(
     /// `ibv_srq`.
     SrqShell, ibv_srq, SharedReceiveQueue
+);
+shell!(
+    /// `ibv_ah`.
+    AhShell, ibv_ah, AddressHandle
 );
 shell!(
     /// `ibv_comp_channel`.

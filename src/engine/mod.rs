@@ -20,6 +20,7 @@ pub mod wire;
 
 use crate::fake_verbs::VerbsError;
 use crate::fake_verbs::qp::{Peer, QueuePair};
+use crate::fake_verbs::qp_state::QpType;
 use crate::fake_verbs::work::WcStatus;
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
 use address::{Directory, HostNetwork, LidClaim, Resolved};
@@ -326,7 +327,8 @@ impl Engine {
     }
 }
 
-/// A peer became unreachable: every QP connected through a failed endpoint fails.
+/// A peer became unreachable: every RC QP connected through a failed endpoint fails (UC and
+/// UD senders are not told, as an unacknowledged transport cannot know).
 fn endpoint_failed(locked: &LockedWorker<'_>, err: ucp::Error) {
     let Some(engine) = Engine::running() else {
         return;
@@ -335,6 +337,7 @@ fn endpoint_failed(locked: &LockedWorker<'_>, err: ucp::Error) {
     let failed: Vec<Arc<QueuePair>> = engine
         .qps
         .iter()
+        .filter(|q| q.value().qp_type == QpType::Rc)
         .filter(|q| q.value().peer_endpoint().is_some_and(|ep| ep.failed()))
         .map(|q| Arc::clone(q.value()))
         .collect();

@@ -1,6 +1,6 @@
 //! The header of every ugdr message (one UCP active message, id [`AM_ID`]).
 //!
-//! Fixed 40 bytes, little endian, versioned by the first byte:
+//! Fixed 44 bytes, little endian, versioned by the first byte:
 //!
 //! | off | size | field |
 //! |----:|-----:|-------|
@@ -11,13 +11,20 @@
 //! | 4 | 4 | destination QP number |
 //! | 8 | 4 | source QP number |
 //! | 12 | 2 | source LID |
-//! | 14 | 2 | reserved |
+//! | 14 | 1 | service level (UD) |
+//! | 15 | 1 | reserved |
 //! | 16 | 4 | sequence number (per QP connection, from 0) |
 //! | 20 | 4 | immediate data (as posted: network byte order) |
 //! | 24 | 8 | remote address (RDMA operations) |
 //! | 32 | 4 | rkey (RDMA operations) |
 //! | 36 | 4 | length (RDMA READ: bytes requested) |
 //! | 40 | 4 | piggybacked ACK: every message of the reverse direction up to this sequence number was delivered (valid with [`FLAG_ACK`]) |
+//!
+//! A UD SEND ([`FLAG_DATAGRAM`]) reuses the fields RDMA operations need and datagrams do not:
+//! `rkey` is the Q_Key, and with [`FLAG_GRH`] (the sender's address handle had a GRH)
+//! `remote_addr` is the sender's IPv4 address (bits 0..32, which with the source LID gives its
+//! GID), the flow label (bits 32..52) and the traffic class (bits 56..64), and `status` is the
+//! hop limit: what the receiver writes into the 40-byte GRH area of the receive buffer.
 
 /// The active-message id all ugdr traffic uses.
 pub const AM_ID: u32 = 0x4755; // "GU"
@@ -28,6 +35,12 @@ pub const FLAG_SOLICITED: u8 = 1 << 0;
 pub const FLAG_IMM: u8 = 1 << 1;
 /// `ack_seq` carries a cumulative acknowledgement of the reverse direction.
 pub const FLAG_ACK: u8 = 1 << 2;
+/// A UD datagram: no sequence, no acknowledgement, Q_Key in `rkey`.
+pub const FLAG_DATAGRAM: u8 = 1 << 3;
+/// The datagram's sender used a GRH (its fields ride in `remote_addr` and `status`).
+pub const FLAG_GRH: u8 = 1 << 4;
+/// A UC message: no acknowledgement, dropped when it finds no receive.
+pub const FLAG_UNRELIABLE: u8 = 1 << 5;
 
 /// Message kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +99,7 @@ pub struct Header {
     pub dst_qpn: u32,
     pub src_qpn: u32,
     pub src_lid: u16,
+    pub sl: u8,
     pub seq: u32,
     pub imm_data: u32,
     pub remote_addr: u64,
@@ -103,6 +117,7 @@ impl Header {
             dst_qpn,
             src_qpn,
             src_lid,
+            sl: 0,
             seq,
             imm_data: 0,
             remote_addr: 0,
@@ -121,6 +136,7 @@ impl Header {
         b[4..8].copy_from_slice(&self.dst_qpn.to_le_bytes());
         b[8..12].copy_from_slice(&self.src_qpn.to_le_bytes());
         b[12..14].copy_from_slice(&self.src_lid.to_le_bytes());
+        b[14] = self.sl;
         b[16..20].copy_from_slice(&self.seq.to_le_bytes());
         b[20..24].copy_from_slice(&self.imm_data.to_le_bytes());
         b[24..32].copy_from_slice(&self.remote_addr.to_le_bytes());
@@ -153,6 +169,7 @@ impl Header {
             dst_qpn: u32_at(4),
             src_qpn: u32_at(8),
             src_lid: u16::from_le_bytes([b[12], b[13]]),
+            sl: b[14],
             seq: u32_at(16),
             imm_data: u32_at(20),
             remote_addr: u64::from_le_bytes(b[24..32].try_into().ok()?),
@@ -182,6 +199,7 @@ mod tests {
         h.rkey = 0x99aabbcc;
         h.length = 4096;
         h.ack_seq = 0x0bad_cafe;
+        h.sl = 9;
         let b = h.encode();
         assert_eq!(b[0], VERSION);
         assert_eq!(Header::decode(&b), Some(h));

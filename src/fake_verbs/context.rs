@@ -15,6 +15,10 @@ pub struct AsyncEvent {
 /// `enum ibv_event_type` values ugdr raises.
 pub const EVENT_CQ_ERR: u32 = 0;
 pub const EVENT_QP_FATAL: u32 = 1;
+pub const EVENT_QP_REQ_ERR: u32 = 2;
+pub const EVENT_QP_ACCESS_ERR: u32 = 3;
+pub const EVENT_COMM_EST: u32 = 4;
+pub const EVENT_SQ_DRAINED: u32 = 5;
 pub const EVENT_PORT_ACTIVE: u32 = 9;
 pub const EVENT_SRQ_LIMIT_REACHED: u32 = 15;
 pub const EVENT_QP_LAST_WQE_REACHED: u32 = 16;

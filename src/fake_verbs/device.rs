@@ -41,6 +41,10 @@ pub const MAX_SGE: i32 = 32;
 pub const MAX_QP_WR: i32 = 16384;
 pub const MAX_CQE: i32 = 1 << 22;
 pub const MAX_RD_ATOMIC: i32 = 16;
+/// The port's active MTU in bytes (`IBV_MTU_4096`): the largest UD message.
+pub const ACTIVE_MTU_BYTES: u32 = 4096;
+/// The area in front of every UD receive where the Global Routing Header lands.
+pub const GRH_LEN: usize = 40;
 /// Largest message (the port's max_msg_sz): 1 GiB.
 pub const MAX_MSG_SIZE: u32 = 1 << 30;
 

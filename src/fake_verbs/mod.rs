@@ -3,11 +3,12 @@
 //! Object graph (as rdma-core's): [`device`] → [`context::DeviceContext`] (async events) →
 //! [`pd::ProtectionDomain`] → [`mr::MemoryRegion`]; [`cq::CompletionQueue`] (optionally on a
 //! [`cq::CompletionChannel`]); [`qp::QueuePair`] (PD + send/recv CQs), whose state machine is
-//! [`qp_state`]. Children hold their parents (`Arc`) and count themselves in, so destroying a
+//! [`qp_state`]; [`ah::AddressHandle`] (PD) names a UD destination. Children hold their parents (`Arc`) and count themselves in, so destroying a
 //! parent that still has children fails with EBUSY as rdma-core's does.
 
 #![forbid(unsafe_code)]
 
+pub mod ah;
 pub mod context;
 pub mod cq;
 pub mod device;

@@ -1,8 +1,15 @@
 //! Queue pairs: the send and receive queues, the state machine, and RC semantics on top of
 //! the engine's messages (docs/design.md): in-order delivery by sequence number, send
-//! completions in post order once the responder acknowledged, and flush-on-error.
+//! completions in post order once the responder acknowledged, and flush-on-error. UC and UD
+//! share the send queue and the receive placement; their unacknowledged receive side is in
+//! [`unreliable`].
 
-use super::context::EVENT_QP_LAST_WQE_REACHED;
+mod unreliable;
+
+use super::context::{
+    EVENT_COMM_EST, EVENT_QP_ACCESS_ERR, EVENT_QP_FATAL, EVENT_QP_LAST_WQE_REACHED,
+    EVENT_QP_REQ_ERR, EVENT_SQ_DRAINED,
+};
 use super::cq::CompletionQueue;
 use super::mr::{self, local_spans};
 use super::pd::ProtectionDomain;
@@ -13,7 +20,7 @@ use super::work::{
 };
 use super::{VerbsError, device};
 use crate::engine::wire::{self, Header, Nak, Op};
-use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendPayload};
+use crate::ucp::{AmData, AmPayload, AppSpan, Endpoint, LockedWorker, SendPayload, SendState};
 use smallvec::SmallVec;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -251,6 +258,12 @@ struct Queues {
     /// next message this QP sends, or goes alone when the engine flushes owed ACKs.
     ack_owed: Option<u32>,
     acks_unsent: u32,
+    /// IBV_EVENT_COMM_EST was raised (the first message reached the QP in RTR).
+    comm_established: bool,
+    /// In SQD with `en_sqd_async_notify`: IBV_EVENT_SQ_DRAINED is owed once the SQ is empty.
+    sqd_notify: bool,
+    /// UC/UD: numbers receives in arrival order (their completions are released in it).
+    next_receive: u32,
 }
 
 /// At most this many delivered messages go unacknowledged before an ACK is sent at once.
@@ -303,9 +316,9 @@ impl QueuePair {
         caps: QpCaps,
         local_lid: u16,
     ) -> Result<Arc<QueuePair>, VerbsError> {
-        if qp_type != QpType::Rc {
+        if !matches!(qp_type, QpType::Rc | QpType::Uc | QpType::Ud) {
             return Err(VerbsError::Unsupported(
-                "queue pair type (ugdr carries RC queue pairs)",
+                "queue pair type (ugdr carries RC, UC and UD queue pairs)",
             ));
         }
         pd.adopt_child();
@@ -342,6 +355,9 @@ impl QueuePair {
                 landing: VecDeque::new(),
                 ack_owed: None,
                 acks_unsent: 0,
+                comm_established: false,
+                sqd_notify: false,
+                next_receive: 0,
             }),
         }))
     }
@@ -413,6 +429,8 @@ impl QueuePair {
         payload: SendPayload,
         data_seq: Option<u32>,
     ) {
+        // UC and UD sends complete once UCX is done with the buffer: nothing acknowledges them.
+        let unreliable = self.qp_type != QpType::Rc;
         let result = match data_seq {
             Some(seq) => {
                 let me = Arc::clone(self);
@@ -421,27 +439,57 @@ impl QueuePair {
                     wire::AM_ID,
                     &header.encode(),
                     payload,
-                    move |locked, result| {
-                        if let Err(e) = result {
+                    move |locked, result| match result {
+                        Ok(()) if unreliable => me.sent(locked, seq),
+                        Ok(()) => {}
+                        Err(e) => {
                             tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
-                            me.fail_send(locked, seq, WcStatus::RetryExcErr);
+                            if unreliable {
+                                me.sent(locked, seq);
+                            } else {
+                                me.fail_send(locked, seq, WcStatus::RetryExcErr);
+                            }
                         }
                     },
                 )
             }
             None => endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, |_, _| {}),
         };
-        if let Err(e) = result {
-            tracing::debug!(
-                "qp {:#x}: cannot send {:?} seq {}: {e}",
-                self.qp_num,
-                header.op,
-                header.seq
-            );
-            if let Some(seq) = data_seq {
-                self.fail_send(locked, seq, WcStatus::RetryExcErr);
+        match (result, data_seq) {
+            (Ok(SendState::Done), Some(seq)) if unreliable => self.sent(locked, seq),
+            (Ok(_), _) | (Err(_), None) => {}
+            (Err(e), Some(seq)) => {
+                tracing::debug!(
+                    "qp {:#x}: cannot send {:?} seq {seq}: {e}",
+                    self.qp_num,
+                    header.op,
+                );
+                if unreliable {
+                    // Lost on the way, as an unreliable transport may lose it.
+                    self.sent(locked, seq);
+                } else {
+                    self.fail_send(locked, seq, WcStatus::RetryExcErr);
+                }
             }
         }
+    }
+
+    /// A UC/UD send left: it completes (in post order) without an acknowledgement.
+    fn sent(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32) {
+        self.locked_then_send(locked, |q| {
+            if let Some(e) =
+                q.sq.iter_mut()
+                    .find(|e| e.seq == seq && e.outcome.is_none())
+            {
+                e.outcome = Some(WcStatus::Success);
+            }
+            self.release_send_completions(q);
+        });
+    }
+
+    /// Raises an asynchronous event about this QP.
+    fn raise(&self, event_type: u32) {
+        self.pd.context.raise(event_type, self.handle());
     }
 
     /// The send WR `seq` failed: it completes with `status` and the QP goes to ERR.
@@ -523,7 +571,7 @@ impl QueuePair {
         check_values(req)?;
         if next == QpState::Rtr
             && cur != QpState::Rtr
-            && self.qp_type == QpType::Rc
+            && matches!(self.qp_type, QpType::Rc | QpType::Uc)
             && peer.is_none()
         {
             return Err(VerbsError::Invalid(
@@ -549,6 +597,9 @@ impl QueuePair {
                 q.expected_seq = 0;
                 q.ack_owed = None;
                 q.acks_unsent = 0;
+                q.comm_established = false;
+                q.sqd_notify = false;
+                q.next_receive = 0;
                 q.attrs = QpAttributes {
                     port_num: device::PORT_NUM,
                     ..Default::default()
@@ -563,6 +614,9 @@ impl QueuePair {
                 q.state = QpState::Rtr;
                 q.peer = peer;
                 q.expected_seq = 0;
+                if !q.early.is_empty() {
+                    self.established(q);
+                }
                 // Messages that arrived before RTR (the peer may be faster) are delivered now.
                 self.drain_early(q);
             }
@@ -571,17 +625,42 @@ impl QueuePair {
                     q.next_send_seq = 0;
                 }
                 q.state = QpState::Rts;
+                q.sqd_notify = false;
+            }
+            QpState::Sqd => {
+                q.state = QpState::Sqd;
+                q.sqd_notify = q.attrs.en_sqd_async_notify != 0;
+                self.check_drained(q);
             }
             other => q.state = other,
         }
     }
 
-    /// Moves the QP to ERR because of a failure the engine saw (peer gone, transport error).
+    /// The first message reached the QP while in RTR (IBA 11.6.3: IBV_EVENT_COMM_EST, so a
+    /// passive side knows the connection works before it moves to RTS).
+    fn established(&self, q: &mut Queues) {
+        if q.state == QpState::Rtr && !q.comm_established {
+            q.comm_established = true;
+            self.raise(EVENT_COMM_EST);
+        }
+    }
+
+    /// In SQD with notification asked for: IBV_EVENT_SQ_DRAINED once no send is outstanding.
+    fn check_drained(&self, q: &mut Queues) {
+        if q.sqd_notify && q.state == QpState::Sqd && q.sq.is_empty() {
+            q.sqd_notify = false;
+            self.raise(EVENT_SQ_DRAINED);
+        }
+    }
+
+    /// Moves the QP to ERR because of a failure the engine saw (peer gone, transport error):
+    /// an error not caused by one work request, so IBV_EVENT_QP_FATAL as well.
     pub fn fail(self: &Arc<Self>, locked: &LockedWorker<'_>, status: WcStatus) {
         self.locked_then_send(locked, |q| {
             if q.state == QpState::Err || q.state == QpState::Reset {
                 return;
             }
+            self.raise(EVENT_QP_FATAL);
             if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none()) {
                 e.outcome = Some(status);
             }
@@ -611,9 +690,7 @@ impl QueuePair {
         }
         if self.srq.is_some() {
             // IBA 11.6.3: a QP on an SRQ that went to ERR will take no more of its WRs.
-            self.pd
-                .context
-                .raise(EVENT_QP_LAST_WQE_REACHED, self.handle());
+            self.raise(EVENT_QP_LAST_WQE_REACHED);
         }
         for r in q.rq.drain(..) {
             self.recv_cq.push(
@@ -633,9 +710,25 @@ impl QueuePair {
         locked: &LockedWorker<'_>,
         req: SendRequest,
     ) -> Result<(), VerbsError> {
+        // A UD send's endpoint comes from the engine's cache, before the queue lock is taken.
+        let datagram_to = match (self.qp_type, &req.ud) {
+            (QpType::Ud, Some(ud)) => {
+                if !Arc::ptr_eq(&ud.ah.pd, &self.pd) {
+                    return Err(VerbsError::Invalid(
+                        "address handle of another protection domain",
+                    ));
+                }
+                Some(ud.ah.endpoint(locked))
+            }
+            (QpType::Ud, None) => {
+                return Err(VerbsError::Invalid("UD send without an address handle"));
+            }
+            _ => None,
+        };
         // The message itself is sent straight from here (the hot path), the queue lock
         // released; anything else the post queued goes through the outbox.
-        let message = self.locked_then_send(locked, |q| self.post_send_locked(q, req))?;
+        let message =
+            self.locked_then_send(locked, |q| self.post_send_locked(q, req, datagram_to))?;
         if let Some(DataMessage {
             endpoint,
             header,
@@ -648,10 +741,13 @@ impl QueuePair {
         Ok(())
     }
 
+    /// `datagram_to`: for a UD send, the endpoint to the address handle's process (None:
+    /// nobody answers to that address, the datagram is lost).
     fn post_send_locked(
         &self,
         q: &mut Queues,
         req: SendRequest,
+        datagram_to: Option<Option<Arc<Endpoint>>>,
     ) -> Result<Option<DataMessage>, VerbsError> {
         match q.state {
             QpState::Rts | QpState::Sqd => {}
@@ -684,6 +780,21 @@ impl QueuePair {
             return Err(VerbsError::Invalid(
                 "message longer than the port's max_msg_sz",
             ));
+        }
+        match (self.qp_type, req.opcode) {
+            (QpType::Ud, SendOpcode::Send | SendOpcode::SendWithImm) => {}
+            (QpType::Ud, _) => {
+                return Err(VerbsError::Invalid(
+                    "UD carries SEND and SEND_WITH_IMM only",
+                ));
+            }
+            (
+                QpType::Uc,
+                SendOpcode::RdmaRead | SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd,
+            ) => {
+                return Err(VerbsError::Invalid("UC carries no RDMA READ or atomics"));
+            }
+            _ => {}
         }
         let op = match req.opcode {
             SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
@@ -753,11 +864,42 @@ impl QueuePair {
                 }
             }
         };
-        let Some(peer) = q.peer.clone() else {
-            self.fail_entry(q, seq, WcStatus::RetryExcErr);
-            return Ok(None);
+        let (endpoint, mut header) = match (&req.ud, datagram_to) {
+            (Some(ud), Some(endpoint)) => {
+                let endpoint = match endpoint {
+                    Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) => ep,
+                    _ => {
+                        // C10-93.1.1: a UD message above the port's MTU emits no packet and
+                        // is no error (rxe completes it successfully); neither is a datagram
+                        // to an address nobody answers to.
+                        tracing::debug!(
+                            "qp {:#x}: datagram of {length} bytes to lid {:#06x} not sent",
+                            self.qp_num,
+                            ud.ah.av.dlid
+                        );
+                        if let Some(e) = q.sq.back_mut() {
+                            e.outcome = Some(WcStatus::Success);
+                        }
+                        self.release_send_completions(q);
+                        return Ok(None);
+                    }
+                };
+                let header =
+                    unreliable::datagram_header(ud, q.attrs.qkey, self.qp_num, self.local_lid, seq);
+                (endpoint, header)
+            }
+            _ => {
+                let Some(peer) = q.peer.clone() else {
+                    self.fail_entry(q, seq, WcStatus::RetryExcErr);
+                    return Ok(None);
+                };
+                let mut header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
+                if self.qp_type == QpType::Uc {
+                    header.flags |= wire::FLAG_UNRELIABLE;
+                }
+                (peer.endpoint, header)
+            }
         };
-        let mut header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
         if matches!(
             req.opcode,
             SendOpcode::SendWithImm | SendOpcode::RdmaWriteWithImm
@@ -765,14 +907,16 @@ impl QueuePair {
             header.flags |= wire::FLAG_IMM;
             header.imm_data = req.imm_data;
         }
-        header.remote_addr = req.remote_addr;
-        header.rkey = req.rkey;
+        if op != Op::Send {
+            header.remote_addr = req.remote_addr;
+            header.rkey = req.rkey;
+        }
         header.length = length as u32;
-        header.status = match req.opcode {
-            SendOpcode::AtomicFetchAndAdd => wire::ATOMIC_FETCH_ADD,
-            SendOpcode::AtomicCmpAndSwp => wire::ATOMIC_CMP_SWAP,
-            _ => 0,
-        };
+        match req.opcode {
+            SendOpcode::AtomicFetchAndAdd => header.status = wire::ATOMIC_FETCH_ADD,
+            SendOpcode::AtomicCmpAndSwp => header.status = wire::ATOMIC_CMP_SWAP,
+            _ => {}
+        }
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
@@ -782,7 +926,7 @@ impl QueuePair {
             q.acks_unsent = 0;
         }
         Ok(Some(DataMessage {
-            endpoint: peer.endpoint,
+            endpoint,
             header,
             payload,
             seq,
@@ -813,6 +957,7 @@ impl QueuePair {
                 self.send_cq.push(wc, true);
             }
         }
+        self.check_drained(q);
     }
 
     /// An ACK (or NAK) from the responder.
@@ -873,6 +1018,9 @@ impl QueuePair {
 
     /// `seq` was delivered: acknowledge it with the next message, or now when many are owed.
     fn acknowledge(&self, q: &mut Queues, seq: u32) {
+        if self.qp_type != QpType::Rc {
+            return;
+        }
         let first = q.ack_owed.is_none();
         q.ack_owed = Some(seq);
         q.acks_unsent += 1;
@@ -952,6 +1100,10 @@ impl QueuePair {
         h: Header,
         payload: AmPayload<'_>,
     ) -> bool {
+        if self.qp_type != QpType::Rc {
+            self.on_unreliable_locked(q, h, payload);
+            return false;
+        }
         let connected = q.peer.as_ref().map(|p| p.qpn);
         if h.flags & wire::FLAG_ACK != 0
             && connected == Some(h.src_qpn)
@@ -969,6 +1121,7 @@ impl QueuePair {
                     );
                     return false;
                 }
+                self.established(q);
             }
             QpState::Init => {
                 // The peer is already in RTS while this side is not yet in RTR: a HCA would
@@ -1153,12 +1306,19 @@ impl QueuePair {
         }
     }
 
-    /// NAKs a request with a remote access error (nothing was written or read).
+    /// NAKs a request with a remote access error (nothing was written or read). The
+    /// responder's QP goes to ERR with IBV_EVENT_QP_ACCESS_ERR (IBA 9.9.3.1.2, responder
+    /// class C: a local access violation work-queue error).
     fn refuse(&self, q: &mut Queues, h: &Header, body: Body<'_>) {
         if let Body::Held(d) = body {
             q.outbox.push(Deferred::Release(d));
         }
+        // Earlier requests that already took effect are acknowledged before the NAK.
+        self.release_landed(q);
         self.send_ack(q, h.seq, Some(Nak::RemoteAccess));
+        self.raise(EVENT_QP_ACCESS_ERR);
+        q.state = QpState::Err;
+        self.flush(q);
     }
 
     /// Answers a READ or atomic after every earlier request of this QP took effect.
@@ -1192,15 +1352,17 @@ impl QueuePair {
 
     /// Checks the receive WR against a SEND; on failure completes it with an error, NAKs the
     /// sender and moves the QP to ERR.
+    /// `reserve`: bytes in front of the message (a UD receive's GRH area).
     fn check_receive(
         &self,
         q: &mut Queues,
         wr: &RecvRequest,
         h: &Header,
         len: usize,
+        reserve: usize,
     ) -> Option<SmallVec<[AppSpan; 4]>> {
         let capacity: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
-        let (status, nak) = if len as u64 > capacity {
+        let (status, nak) = if (len + reserve) as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
         } else {
             match local_spans(&self.pd, &wr.sges, true) {
@@ -1220,6 +1382,10 @@ impl QueuePair {
         self.release_landed(q);
         self.recv_cq.push(wc, true);
         self.send_ack(q, h.seq, Some(nak));
+        if nak == Nak::InvalidRequest && self.qp_type == QpType::Rc {
+            // Responder class C (IBA 9.9.3.1.2): an invalid request work-queue error.
+            self.raise(EVENT_QP_REQ_ERR);
+        }
         q.state = QpState::Err;
         self.flush(q);
         None
@@ -1238,7 +1404,7 @@ impl QueuePair {
         let len = body.len();
         let spans: SmallVec<[AppSpan; 4]> = if h.op == Op::Send {
             let wr = wr.as_ref().expect("a SEND has a receive WR");
-            match self.check_receive(q, wr, &h, len) {
+            match self.check_receive(q, wr, &h, len, 0) {
                 Some(s) => s,
                 None => {
                     if let Body::Held(d) = body {
@@ -1252,28 +1418,42 @@ impl QueuePair {
         };
         let wc = wr.as_ref().map(|wr| self.recv_completion(wr, &h, len));
         let solicited = h.flags & wire::FLAG_SOLICITED != 0;
+        self.place(q, h.seq, spans, body, wc, solicited);
+    }
+
+    /// Puts a message body into `spans` (now, or through a rendezvous receive), then
+    /// completes `wc` in order with the QP's other receives (`key` orders them).
+    fn place(
+        &self,
+        q: &mut Queues,
+        key: u32,
+        spans: SmallVec<[AppSpan; 4]>,
+        body: Body<'_>,
+        wc: Option<WorkCompletion>,
+        solicited: bool,
+    ) {
         match body {
             Body::Current(AmPayload::Transient(bytes)) => {
                 crate::ucp::scatter(&spans, bytes);
-                self.complete_landed(q, h.seq, wc, solicited);
+                self.complete_landed(q, key, wc, solicited);
             }
             Body::Current(AmPayload::Persistent(data)) => {
                 // Consumed inside its own handler: read it and let UCX free it.
                 crate::ucp::scatter(&spans, data.bytes());
-                self.complete_landed(q, h.seq, wc, solicited);
+                self.complete_landed(q, key, wc, solicited);
             }
             Body::Owned(bytes) => {
                 crate::ucp::scatter(&spans, &bytes);
-                self.complete_landed(q, h.seq, wc, solicited);
+                self.complete_landed(q, key, wc, solicited);
             }
             Body::Held(data) if !data.is_rendezvous() => {
                 crate::ucp::scatter(&spans, data.bytes());
                 q.outbox.push(Deferred::Release(data));
-                self.complete_landed(q, h.seq, wc, solicited);
+                self.complete_landed(q, key, wc, solicited);
             }
             Body::Current(AmPayload::Rendezvous(data)) | Body::Held(data) => {
                 q.landing.push_back(Landing {
-                    seq: h.seq,
+                    seq: key,
                     wc,
                     solicited,
                     landed: false,
@@ -1283,7 +1463,7 @@ impl QueuePair {
                     landed: QueuePair::on_landed,
                     data,
                     spans,
-                    seq: h.seq,
+                    seq: key,
                 });
             }
         }
@@ -1443,6 +1623,9 @@ impl QueuePair {
     }
 
     fn send_ack(&self, q: &mut Queues, seq: u32, nak: Option<Nak>) {
+        if self.qp_type != QpType::Rc {
+            return; // UC and UD are never acknowledged
+        }
         let Some(peer) = &q.peer else { return };
         let mut header = Header::new(Op::Ack, peer.qpn, self.qp_num, self.local_lid, seq);
         header.status = nak.map_or(0, |n| n as u8);

@@ -1,7 +1,9 @@
 //! Work requests and work completions in validated Rust form (from `ibv_send_wr`,
 //! `ibv_recv_wr`, to `ibv_wc`). Numeric values match rdma-core's enums.
 
+use super::ah::AddressHandle;
 use smallvec::SmallVec;
+use std::sync::Arc;
 
 /// One scatter/gather element as the application gave it (not yet checked).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +71,27 @@ pub struct SendRequest {
     pub rkey: u32,
     pub compare_add: u64,
     pub swap: u64,
+    /// UD: where the datagram goes (`wr.ud`, or `ibv_wr_set_ud_addr`).
+    pub ud: Option<UdDestination>,
+}
+
+/// The destination of a UD send: an address handle, the remote QP and its Q_Key.
+#[derive(Clone)]
+pub struct UdDestination {
+    pub ah: Arc<AddressHandle>,
+    pub remote_qpn: u32,
+    /// As posted: a value with the high bit set means "use the sending QP's own Q_Key".
+    pub remote_qkey: u32,
+}
+
+impl std::fmt::Debug for UdDestination {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UdDestination")
+            .field("dlid", &self.ah.av.dlid)
+            .field("remote_qpn", &self.remote_qpn)
+            .field("remote_qkey", &self.remote_qkey)
+            .finish()
+    }
 }
 
 impl SendRequest {

@@ -76,6 +76,21 @@ impl AppSpan {
         self.len == 0
     }
 
+    /// The first `n` bytes (at most all of them) and the rest.
+    pub fn split_at(&self, n: usize) -> (AppSpan, AppSpan) {
+        let n = n.min(self.len);
+        (
+            AppSpan {
+                addr: self.addr,
+                len: n,
+            },
+            AppSpan {
+                addr: self.addr + n as u64,
+                len: self.len - n,
+            },
+        )
+    }
+
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.addr as usize as *mut u8
     }

@@ -313,6 +313,68 @@ pub fn run_pingpong(
     })
 }
 
+/// Server and client arguments of an ibverbs-utils pingpong: `-p port opts` and the same
+/// plus the server's address.
+fn pingpong_args<'a>(
+    port: &'a str,
+    opts: &[&'a str],
+    server: &'a str,
+) -> (Vec<&'a str>, Vec<&'a str>) {
+    let mut sargs = vec!["-p", port];
+    sargs.extend_from_slice(opts);
+    let mut cargs = sargs.clone();
+    cargs.push(server);
+    (sargs, cargs)
+}
+
+/// Both sides of a pingpong exited 0 and reported the transfer.
+fn assert_pingpong_passed(program: &str, opts: &[&str], s: &Output, c: &Output) {
+    assert_success(s, &format!("{program} server {opts:?}"));
+    assert_success(c, &format!("{program} client {opts:?}"));
+    for o in [s, c] {
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            out.contains("bytes in") && out.contains("iters in"),
+            "{program} {opts:?}: no transfer report\n{}",
+            text(o)
+        );
+    }
+}
+
+/// `program` (an ibverbs-utils pingpong) as server and client with `opts` on this host: both
+/// must exit 0 and report the transfer.
+pub fn pingpong(program: &str, opts: &[&str], timeout_s: u64) {
+    let port = free_port().to_string();
+    let (sargs, cargs) = pingpong_args(&port, opts, "127.0.0.1");
+    let (s, c) = run_pingpong(
+        preloaded(program, &sargs),
+        preloaded(program, &cargs),
+        port.parse().unwrap(),
+        Duration::from_secs(timeout_s),
+    );
+    assert_pingpong_passed(program, opts, &s, &c);
+}
+
+/// `program` with `opts`, server in namespace A and client in B; both must exit 0 and report
+/// the transfer. Returns the client's output.
+pub fn pingpong_across_namespaces(
+    ns: &NetnsPair,
+    program: &str,
+    opts: &[&str],
+    timeout_s: u64,
+) -> Output {
+    let port = free_port().to_string();
+    let (sargs, cargs) = pingpong_args(&port, opts, ADDR_A);
+    let (s, c) = ns.run_pingpong(
+        ns.command(&ns.a, program, &sargs),
+        ns.command(&ns.b, program, &cargs),
+        port.parse().unwrap(),
+        Duration::from_secs(timeout_s),
+    );
+    assert_pingpong_passed(program, opts, &s, &c);
+    c
+}
+
 /// Two network namespaces joined by veth (10.199.0.1/24 and 10.199.0.2/24), removed on drop.
 pub struct NetnsPair {
     pub a: String,
