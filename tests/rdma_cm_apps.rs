@@ -108,6 +108,33 @@ fn rping_across_two_hosts() {
     assert_eq!(pings, 100, "{}", text(&co));
 }
 
+#[test]
+fn an_address_nobody_answers_is_an_address_error_within_the_timeout() {
+    // 10.199.0.3 is on namespace B's link, but no host has it: address resolution (rping
+    // asks for 2 s) must give up with ADDR_ERROR, and rping exits with an error, not a hang.
+    let ns = NetnsPair::new("x");
+    let started = std::time::Instant::now();
+    let out = run(
+        ns.command(
+            &ns.b,
+            "rping",
+            &["-c", "-a", "10.199.0.3", "-p", "7174", "-C", "1"],
+        ),
+        "rping towards a silent address",
+        Duration::from_secs(60),
+    );
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("RDMA_CM_EVENT_ADDR_ERROR"),
+        "{}",
+        text(&out)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the 2 s resolution timeout was not honoured"
+    );
+}
+
 fn ucmatose(connections: &str) {
     let port = free_port();
     let p = port.to_string();
