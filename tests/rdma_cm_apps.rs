@@ -209,3 +209,23 @@ fn ib_write_lat_over_rdma_cm() {
 fn ib_read_bw_over_rdma_cm() {
     perftest_r("ib_read_bw");
 }
+
+/// udaddy: UD queue pairs found through RDMA_PS_UDP (service ID resolution: the reply carries
+/// the peer's address vector, QPN and Q_Key). udaddy has no port option (7174), so both runs
+/// share one test.
+#[test]
+fn udaddy_with_one_and_with_four_endpoints() {
+    for count in ["1", "4"] {
+        let (s, c) = pair(
+            "udaddy",
+            &["-c", count],
+            &["-s", "127.0.0.1", "-c", count],
+            7174,
+            60,
+        );
+        for (who, out) in [("server", &s), ("client", &c)] {
+            assert!(out.contains("data transfers complete"), "{who}\n{out}");
+            assert!(out.contains("return status 0"), "{who}\n{out}");
+        }
+    }
+}

@@ -547,6 +547,8 @@ fn convert_event(event: CmEvent) -> Option<*mut rdma_cm_event> {
         EventKind::Rejected => qp_to_error(raw.qp),
         _ => {}
     }
+    let ud = id.is_ud();
+    let peer = id.peer();
     let private_data = param.private_data;
     let shell = Box::new(EventShell {
         raw: UnsafeCell::new(rdma_cm_event {
@@ -576,8 +578,35 @@ fn convert_event(event: CmEvent) -> Option<*mut rdma_cm_event> {
         srq: param.srq,
         qp_num: param.qp_num,
     };
-    // SAFETY: the event is ours until published below.
-    unsafe { (*shell.raw.get()).param.conn = conn };
+    if ud {
+        // UD ids report the peer's address as an address vector, its QPN and Q_Key.
+        let ah_attr = match peer {
+            Some(p) => ibv_ah_attr {
+                grh: ibv_global_route {
+                    dgid: ibv_gid { raw: p.gid },
+                    hop_limit: 1,
+                    ..Default::default()
+                },
+                dlid: p.lid,
+                is_global: 1,
+                port_num: 1,
+                ..Default::default()
+            },
+            None => ibv_ah_attr::default(),
+        };
+        let ud_param = rdma_ud_param {
+            private_data: conn.private_data,
+            private_data_len: conn.private_data_len,
+            ah_attr,
+            qp_num: conn.qp_num,
+            qkey: UDP_QKEY,
+        };
+        // SAFETY: the event is ours until published below.
+        unsafe { (*shell.raw.get()).param.ud = ud_param };
+    } else {
+        // SAFETY: the event is ours until published below.
+        unsafe { (*shell.raw.get()).param.conn = conn };
+    }
     let ptr = Box::into_raw(shell);
     EVENTS.insert(ptr as usize);
     Some(ptr.cast())
@@ -1058,11 +1087,8 @@ pub unsafe extern "C" fn rdma_accept(
         );
         // SAFETY: see refresh.
         let raw = unsafe { &*shell.raw.get() };
-        let ud = shell.inner.qp_type == QPT_UD;
-        if ud {
-            return fail(libc::EOPNOTSUPP);
-        }
-        if !raw.qp.is_null() {
+        let ud = shell.inner.is_ud();
+        if !ud && !raw.qp.is_null() {
             if let Err(errno) = drive_qp(raw.qp, &params, &CONNECT_STATES) {
                 return fail(errno);
             }
@@ -1083,6 +1109,16 @@ pub unsafe extern "C" fn rdma_accept(
         if let Err(e) = shell.inner.accept(local, &private) {
             qp_to_error(raw.qp);
             return cm_status(Err(e));
+        }
+        if ud {
+            // A SIDR reply raises no event here; a synchronous id lets its request go.
+            // SAFETY: see refresh.
+            let raw = unsafe { &mut *shell.raw.get() };
+            if shell.inner.channel().is_sync() && !raw.event.is_null() {
+                free_event(raw.event);
+                raw.event = ptr::null_mut();
+            }
+            return 0;
         }
         complete(shell)
     })

@@ -18,6 +18,9 @@ use std::time::Duration;
 const PRIVATE_DATA_REQ_IP: usize = 56;
 const PRIVATE_DATA_REQ_IB: usize = 92;
 pub const PRIVATE_DATA_ACCEPT: usize = 196;
+const PRIVATE_DATA_SIDR_REQ: usize = 180;
+const PRIVATE_DATA_SIDR_REP: usize = 136;
+const QPT_UD: u32 = 4;
 pub const PRIVATE_DATA_REJECT: usize = 148;
 
 /// IB CM reject reasons.
@@ -388,6 +391,21 @@ impl CmId {
         })
     }
 
+    /// UD ids connect by service ID resolution (SIDR): one request, one reply, no
+    /// connection to keep.
+    pub fn is_ud(&self) -> bool {
+        self.qp_type == QPT_UD
+    }
+
+    /// The private data a connection request of this id carries (a SIDR REQ: 180 bytes).
+    fn request_private_len(&self) -> usize {
+        if self.is_ud() {
+            PRIVATE_DATA_SIDR_REQ
+        } else {
+            self.port_space.request_private_len()
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -645,11 +663,8 @@ impl CmId {
         mut local: Endpoint,
         private_data: Vec<u8>,
     ) -> Result<(), CmError> {
-        if private_data.len() > self.port_space.request_private_len() {
+        if private_data.len() > self.request_private_len() {
             return Err(CmError::Invalid("private data longer than a REQ carries"));
-        }
-        if self.qp_type == 4 {
-            return Err(CmError::Unsupported("UD service ID resolution (SIDR)"));
         }
         let mut s = self.state();
         if s.phase != Phase::RouteResolved {
@@ -745,7 +760,12 @@ impl CmId {
         s.responder_resources = local.responder_resources;
         s.initiator_depth = local.initiator_depth;
         let link = s.link.clone().ok_or(CmError::Invalid("no connection"))?;
-        s.phase = Phase::ReplySent;
+        // A SIDR reply ends the exchange: the UD id is usable at once.
+        s.phase = if self.is_ud() {
+            Phase::Connected
+        } else {
+            Phase::ReplySent
+        };
         drop(s);
         let rep = Message::Rep {
             endpoint: local,
@@ -804,6 +824,9 @@ impl CmId {
     /// `rdma_disconnect`: sends DREQ; DISCONNECTED follows when the peer answers (or goes).
     /// Disconnecting twice is harmless, as with the kernel CM.
     pub fn disconnect(self: &Arc<Self>) -> Result<(), CmError> {
+        if self.is_ud() {
+            return Err(CmError::Invalid("a UD id has no connection"));
+        }
         let mut s = self.state();
         match s.phase {
             Phase::Connected | Phase::ReplyReceived | Phase::ReplySent => {}
@@ -850,6 +873,19 @@ impl CmId {
                 },
                 Phase::Connecting,
             ) => {
+                if self.is_ud() {
+                    let param =
+                        EventParam::from_peer(&endpoint, &private_data, PRIVATE_DATA_SIDR_REP);
+                    let mut s = self.state();
+                    s.peer = Some(endpoint);
+                    s.phase = Phase::Connected;
+                    if let Some(link) = s.link.take() {
+                        let _ = link.shutdown(Shutdown::Both);
+                    }
+                    drop(s);
+                    self.emit(EventKind::Established, 0, param);
+                    return;
+                }
                 let param = EventParam::from_peer(&endpoint, &private_data, PRIVATE_DATA_ACCEPT);
                 let mut s = self.state();
                 // The REP's depths are the passive side's: what it serves, we may initiate.
@@ -907,6 +943,9 @@ impl CmId {
         let mut s = self.state();
         let phase = s.phase;
         s.link = None;
+        if self.is_ud() && phase != Phase::Connecting {
+            return;
+        }
         match phase {
             Phase::Connecting | Phase::ReplySent => {
                 s.phase = Phase::Failed;
@@ -1074,11 +1113,7 @@ fn serve_request(listen_id: Arc<CmId>, stream: TcpStream) {
         s.peer = Some(endpoint.clone());
         s.listen_id = Some(Arc::clone(&listen_id));
     }
-    let param = EventParam::from_peer(
-        &endpoint,
-        &private_data,
-        listen_id.port_space.request_private_len(),
-    );
+    let param = EventParam::from_peer(&endpoint, &private_data, listen_id.request_private_len());
     channel.push(CmEvent {
         id: Arc::clone(&child),
         listen_id: Some(listen_id),
