@@ -33,6 +33,68 @@ const LEFT_TO_LIBIBVERBS: &[&str] = &[
     "ibv_is_fork_initialized",
 ];
 
+/// librdmacm's functions that are not rsockets: every one an acceptance program imports must
+/// be ugdr's (the real librdmacm needs the kernel's rdma_cm device).
+fn is_rdma_cm_function(sym: &str) -> bool {
+    sym.starts_with("rdma_")
+}
+
+#[test]
+fn every_rdma_cm_function_the_acceptance_programs_import_is_exported() {
+    let lib = lib_path().display().to_string();
+    let ours = symbols(&["-D", "--defined-only"], &lib);
+    let mut checked = 0;
+    for app in [
+        "rping",
+        "ucmatose",
+        "udaddy",
+        "rdma_server",
+        "rdma_client",
+        "ib_send_bw",
+        "ib_write_lat",
+        "ib_read_bw",
+    ] {
+        let path = require(app);
+        for sym in symbols(&["-D", "--undefined-only"], &path) {
+            if is_rdma_cm_function(&sym) {
+                checked += 1;
+                assert!(
+                    ours.contains(&sym),
+                    "{app} imports {sym}, which libugdr.so does not export"
+                );
+            }
+        }
+    }
+    assert!(
+        checked > 50,
+        "only {checked} rdma_* imports found: wrong binaries?"
+    );
+    // And the whole RDMACM_1.0-1.3 surface outside rsockets.
+    for sym in [
+        "rdma_create_srq",
+        "rdma_create_srq_ex",
+        "rdma_destroy_srq",
+        "rdma_create_qp_ex",
+        "rdma_get_request",
+        "rdma_notify",
+        "rdma_join_multicast",
+        "rdma_join_multicast_ex",
+        "rdma_leave_multicast",
+        "rdma_establish",
+        "rdma_init_qp_attr",
+        "rdma_get_remote_ece",
+        "rdma_reject_ece",
+        "rdma_set_local_ece",
+        "rdma_get_devices",
+        "rdma_free_devices",
+        "rdma_migrate_id",
+        "rdma_get_src_port",
+        "rdma_get_dst_port",
+    ] {
+        assert!(ours.contains(sym), "libugdr.so does not export {sym}");
+    }
+}
+
 #[test]
 fn every_verb_the_acceptance_programs_import_is_exported() {
     let lib = lib_path().display().to_string();

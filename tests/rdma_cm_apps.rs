@@ -164,6 +164,27 @@ fn ucmatose_eight_connections() {
 }
 
 #[test]
+fn ucmatose_migrating_its_ids_to_another_channel() {
+    let port = free_port();
+    let p = port.to_string();
+    let (s, c) = pair(
+        "ucmatose",
+        &["-p", &p, "-c", "4", "-m"],
+        &["-s", "127.0.0.1", "-p", &p, "-c", "4", "-m"],
+        port,
+        120,
+    );
+    for (who, out) in [("server", &s), ("client", &c)] {
+        assert!(
+            out.contains("migrating to new event channel"),
+            "{who}\n{out}"
+        );
+        assert!(out.contains("test complete"), "{who}\n{out}");
+        assert!(out.contains("return status 0"), "{who}\n{out}");
+    }
+}
+
+#[test]
 fn ucmatose_sixty_four_connections_to_one_listener() {
     ucmatose("64");
 }
