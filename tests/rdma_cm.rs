@@ -294,6 +294,68 @@ fn a_reject_carries_private_data_back_to_the_requester() {
 }
 
 #[test]
+fn a_non_blocking_channel_reports_eagain_and_polls_readable_only_with_an_event() {
+    let cm = Cm::new();
+    let fd = unsafe { (*cm.ch).fd };
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    assert_eq!(
+        unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) },
+        0
+    );
+    let mut ev = null_mut();
+    assert_eq!(unsafe { rdma_get_cm_event(cm.ch, &mut ev) }, -1);
+    assert_eq!(errno(), libc::EAGAIN);
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    assert_eq!(
+        unsafe { libc::poll(&mut pfd, 1, 0) },
+        0,
+        "readable without an event"
+    );
+    // A wildcard bind leaves the id without a device (SPDK checks this); a concrete one
+    // attaches it.
+    let any = cm.id();
+    let mut ss = sockaddr_of("0.0.0.0:0".parse().unwrap());
+    assert_eq!(
+        unsafe { rdma_bind_addr(any, &mut ss as *mut _ as *mut sockaddr) },
+        0
+    );
+    assert!(unsafe { (*any).verbs }.is_null());
+    let (listener, port) = cm.listener(1);
+    assert!(!unsafe { (*listener).verbs }.is_null());
+    let mut again = sockaddr_of(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let dup = cm.id();
+    assert_eq!(
+        unsafe { rdma_bind_addr(dup, &mut again as *mut _ as *mut sockaddr) },
+        -1,
+        "a second id on a listening port"
+    );
+    assert_eq!(errno(), libc::EADDRINUSE);
+    let id = cm.id();
+    let mut dst = sockaddr_of(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    assert_eq!(
+        unsafe { rdma_resolve_addr(id, null_mut(), &mut dst as *mut _ as *mut sockaddr, 1000) },
+        0
+    );
+    assert_eq!(unsafe { libc::poll(&mut pfd, 1, 5000) }, 1);
+    assert_eq!(unsafe { rdma_get_cm_event(cm.ch, &mut ev) }, 0);
+    assert_eq!(unsafe { (*ev).event }, K::RDMA_CM_EVENT_ADDR_RESOLVED);
+    assert_eq!(unsafe { rdma_ack_cm_event(ev) }, 0);
+    assert_eq!(
+        unsafe { rdma_ack_cm_event(ev) },
+        -1,
+        "an event is acked once"
+    );
+    assert_eq!(errno(), libc::EINVAL);
+    for i in [id, dup, listener, any] {
+        assert_eq!(unsafe { rdma_destroy_id(i) }, 0);
+    }
+}
+
+#[test]
 fn a_port_nobody_listens_on_is_rejected() {
     let client = Cm::new();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
