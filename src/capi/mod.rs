@@ -12,3 +12,4 @@ mod ibv_srq;
 pub(crate) mod layout;
 mod ops;
 mod passthrough;
+mod ugdr_api;
