@@ -88,4 +88,35 @@ fn main() {
         .expect("bindgen failed on the verbs/ucx headers");
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join("sys.rs");
     bindings.write_to_file(out).expect("cannot write sys.rs");
+    write_pkg_config();
+}
+
+/// Writes `target/<profile>/pkgconfig/ugdr.pc` for the `ugdr_*` API: the header in this
+/// tree's `include/`, the library cargo builds next to it. `PKG_CONFIG_PATH` pointed at that
+/// directory makes `pkg-config --cflags --libs ugdr` work (README, "The ugdr_* C API").
+fn write_pkg_config() {
+    println!("cargo::rerun-if-changed=include/ugdr.h");
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
+    // OUT_DIR is <target>/<profile>/build/<package>-<hash>/out.
+    let Some(libdir) = out.ancestors().nth(3) else {
+        println!(
+            "cargo::warning=cannot place ugdr.pc: unexpected OUT_DIR {}",
+            out.display()
+        );
+        return;
+    };
+    let pc = format!(
+        "includedir={}\nlibdir={}\n\nName: ugdr\nDescription: {}\nVersion: {}\nCflags: -I${{includedir}}\nLibs: -L${{libdir}} -Wl,-rpath,${{libdir}} -lugdr\n",
+        manifest.join("include").display(),
+        libdir.display(),
+        "the ugdr_* RDMA API over UCX (libugdr.so)",
+        env::var("CARGO_PKG_VERSION").expect("CARGO_PKG_VERSION"),
+    );
+    let dir = libdir.join("pkgconfig");
+    if let Err(e) =
+        std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(dir.join("ugdr.pc"), pc))
+    {
+        println!("cargo::warning=cannot write {}/ugdr.pc: {e}", dir.display());
+    }
 }

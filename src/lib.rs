@@ -2,16 +2,20 @@
 //!
 //! Layers (each a folder): [`ucp`] thin safe UCX wrappers; [`fake_verbs`] verbs objects and
 //! semantics; [`engine`] addressing, wire protocol and progress between them; `capi` the
-//! exported C ABI (`ibv_*`), thin, calling into the layers below.
+//! exported C ABI (`ibv_*`, and the `ugdr_*` API of `include/ugdr.h`), thin, calling into the
+//! layers below; [`ugdr`] and [`topology`] hold what only the `ugdr_*` API needs.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod capi;
 pub mod cm;
+mod cuda;
 pub mod engine;
 pub mod fake_verbs;
 mod log;
 pub mod report;
 pub mod sys;
+pub mod topology;
 pub mod ucp;
+pub mod ugdr;

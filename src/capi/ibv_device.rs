@@ -187,12 +187,17 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     })
 }
 
-fn open_context(dev: *mut ibv_device) -> Result<*mut ibv_context, VerbsError> {
-    Engine::get()?;
+/// Shuts the engine down at process exit (once per process; every API that starts it calls this).
+pub(crate) fn shut_down_at_exit() {
     AT_EXIT.call_once(|| {
         // SAFETY: registering a plain extern "C" fn with no arguments.
         unsafe { libc::atexit(release_directory_entry) };
     });
+}
+
+fn open_context(dev: *mut ibv_device) -> Result<*mut ibv_context, VerbsError> {
+    Engine::get()?;
+    shut_down_at_exit();
     let inner = Arc::new(DeviceContext::new()?);
     let mut vctx = verbs_context::default();
     ops::install_context_ops(&mut vctx);

@@ -15,3 +15,4 @@ mod ops;
 mod passthrough;
 mod rdma_addrinfo;
 mod rdma_cm;
+mod ugdr_api;

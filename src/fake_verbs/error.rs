@@ -19,6 +19,8 @@ pub enum VerbsError {
     NoDevice,
     #[error("would block")]
     WouldBlock,
+    #[error("bad address: {0}")]
+    BadAddress(&'static str),
     #[error("system error: {0}")]
     Os(i32),
     #[error("transport: {0}")]
@@ -36,6 +38,7 @@ impl VerbsError {
             Self::NoResources(_) => libc::ENOMEM,
             Self::NoDevice => libc::ENODEV,
             Self::WouldBlock => libc::EAGAIN,
+            Self::BadAddress(_) => libc::EFAULT,
             Self::Os(e) => *e,
             Self::Transport(e) => e.errno(),
         }
