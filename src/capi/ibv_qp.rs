@@ -166,7 +166,7 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
         batch: UnsafeCell::new(WrBatch::default()),
     }));
     qp.set_handle(raw as usize);
-    engine.register_qp(qp);
+    engine.register_qp(qp.qp_num, qp);
     let granted = ibv_qp_cap {
         max_send_wr: caps.max_send_wr,
         max_recv_wr: caps.max_recv_wr,
@@ -381,7 +381,7 @@ pub unsafe extern "C" fn ibv_modify_qp(
         };
         let engine = match Engine::get() {
             Ok(e) => e,
-            Err(e) => return status(Err(e)),
+            Err(e) => return status(Err(e.into())),
         };
         let qp_obj = &shell.inner;
         // Resolving may ask another host: do it before taking the worker lock.
@@ -409,7 +409,7 @@ pub unsafe extern "C" fn ibv_modify_qp(
         let peer = match remote {
             Some(target) => match engine.connect(&locked, &target, req.attrs.dest_qp_num) {
                 Ok(p) => Some(p),
-                Err(e) => return status(Err(e)),
+                Err(e) => return status(Err(e.into())),
             },
             None => None,
         };

@@ -221,14 +221,8 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
             }
             cur = w.next;
         }
-        let starving = shell.inner.take_starving();
-        if let (false, Some(engine)) = (starving.is_empty(), Engine::running()) {
-            let locked = engine.worker.lock();
-            for qpn in starving {
-                if let Some(qp) = engine.qp(qpn) {
-                    qp.deliver_pending(&locked);
-                }
-            }
+        if let (true, Some(engine)) = (shell.inner.has_starving(), Engine::running()) {
+            shell.inner.deliver_to_starving(&engine.worker.lock());
         }
         result
     })

@@ -306,7 +306,9 @@ pub unsafe extern "C" fn ugdr_open_device(device: *mut ugdr_device) -> *mut Ugdr
             tracing::debug!("ugdr_open_device: no device {name:?}");
             return <*mut UgdrContext>::fail(libc::ENODEV);
         }
-        let opened = Engine::get().and_then(|_| DeviceContext::new());
+        let opened = Engine::get()
+            .map_err(VerbsError::from)
+            .and_then(|_| DeviceContext::new());
         match opened {
             Ok(ctx) => {
                 shut_down_at_exit();
@@ -359,7 +361,7 @@ pub unsafe extern "C" fn ugdr_query_addr(ctx: *mut UgdrContext, addr_out: *mut u
                 unsafe { addr_out.write(ugdr_addr { raw }) };
                 0
             }
-            Err(e) => status(Err(e)),
+            Err(e) => status(Err(e.into())),
         }
     })
 }
@@ -585,7 +587,7 @@ fn create_qp(p: &UgdrPd, a: &ugdr_qp_init_attr) -> Result<(*mut UgdrQp, QpCaps),
         inner: Arc::clone(&qp),
     }));
     qp.set_handle(raw as usize);
-    engine.register_qp(qp);
+    engine.register_qp(qp.qp_num, qp);
     Ok((raw, caps))
 }
 
@@ -657,7 +659,7 @@ pub unsafe extern "C" fn ugdr_modify_qp(
         };
         let engine = match Engine::get() {
             Ok(e) => e,
-            Err(e) => return status(Err(e)),
+            Err(e) => return status(Err(e.into())),
         };
         let step = match plan(q.state(), &request) {
             Ok(s) => s,
@@ -670,7 +672,7 @@ pub unsafe extern "C" fn ugdr_modify_qp(
         let remote = match step.destination {
             Some(d) => match engine.resolve(d.lid, Some(&d.gid)) {
                 Ok(r) => Some(r),
-                Err(e) => return status(Err(e)),
+                Err(e) => return status(Err(e.into())),
             },
             None => None,
         };
@@ -678,7 +680,7 @@ pub unsafe extern "C" fn ugdr_modify_qp(
         let peer = match remote {
             Some(r) => match engine.connect(&locked, &r, request.dest_qp_num) {
                 Ok(p) => Some(p),
-                Err(e) => return status(Err(e)),
+                Err(e) => return status(Err(e.into())),
             },
             None => None,
         };

@@ -11,7 +11,7 @@
 //!   peer's address directly; a bare LID names the host `subnet | host_tag` on one of the
 //!   local IPv4 subnets.
 
-use crate::fake_verbs::VerbsError;
+use super::EngineError;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -134,7 +134,7 @@ pub struct LidClaim {
 }
 
 impl Directory {
-    pub fn open() -> Result<Directory, VerbsError> {
+    pub fn open() -> Result<Directory, EngineError> {
         let dir = match std::env::var_os("UGDR_RUNDIR") {
             Some(d) => PathBuf::from(d),
             None => {
@@ -156,7 +156,7 @@ impl Directory {
     }
 
     /// Claims a free LID on this host and publishes `worker_address` under it.
-    pub fn claim(&self, host_tag: u8, worker_address: &[u8]) -> Result<LidClaim, VerbsError> {
+    pub fn claim(&self, host_tag: u8, worker_address: &[u8]) -> Result<LidClaim, EngineError> {
         let pid = std::process::id();
         let content = format!("ugdr1 {pid} {}\n", hex_encode(worker_address));
         let tmp = self
@@ -185,9 +185,7 @@ impl Directory {
                 None
             });
         let _ = fs::remove_file(&tmp);
-        result.ok_or(VerbsError::NoResources(
-            "no free LID slot in the per-host directory",
-        ))
+        result.ok_or(EngineError::NoFreeLid)
     }
 
     /// The owner's pid and worker address published under `lid`, if the owner is alive.

@@ -1,5 +1,7 @@
-//! The engine between verbs semantics and UCX: one UCP worker per process, the progress
-//! thread, addressing, and the message dispatch (docs/design.md).
+//! The engine beneath the verbs semantics: one UCP worker per process, the progress thread,
+//! addressing, and the message dispatch (docs/design.md). It routes each message by its
+//! destination QP number to the [`MessageReceiver`] registered for it, and knows nothing of
+//! what the message means to verbs.
 //!
 //! * [`Engine::get`] starts everything on the first `ibv_open_device`: loads UCX, creates the
 //!   context and worker, claims this process's LID in the per-host directory, starts the
@@ -8,7 +10,7 @@
 //!   worker → queue pair → completion queue. No UCX call is ever made while a queue-pair lock
 //!   is held: UCX may run callbacks (which take those locks) inline in any call, e.g. its
 //!   `self` transport delivers a send to a QP of this process before the send returns. Queue
-//!   pairs queue their UCX work and start it after unlocking (`qp::Deferred`).
+//!   pairs queue their UCX work and start it after unlocking (their outbox).
 //! * The progress thread sleeps on the worker's event fd, so completions reach CQs and
 //!   completion channels, and peers' messages are answered, while the application does not
 //!   call into ugdr at all. `ibv_poll_cq` also progresses (if the lock is free), for latency.
@@ -16,12 +18,13 @@
 #![forbid(unsafe_code)]
 
 pub mod address;
+mod dispatch;
+mod error;
 pub mod wire;
 
-use crate::fake_verbs::VerbsError;
-use crate::fake_verbs::qp::{Peer, QueuePair};
-use crate::fake_verbs::qp_state::QpType;
-use crate::fake_verbs::work::WcStatus;
+pub use dispatch::{MessageReceiver, Peer, owe_ack};
+pub use error::EngineError;
+
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
 use address::{Directory, HostNetwork, LidClaim, Resolved};
 use dashmap::DashMap;
@@ -39,7 +42,7 @@ pub struct Engine {
     claim: LidClaim,
     /// Endpoints by remote worker address; a failed endpoint is replaced on next use.
     endpoints: Mutex<HashMap<Vec<u8>, PeerProcess>>,
-    qps: DashMap<u32, Arc<QueuePair>, FxBuildHasher>,
+    qps: DashMap<u32, Arc<dyn MessageReceiver>, FxBuildHasher>,
     next_qpn: AtomicU32,
     pub query_service: Result<u16, String>,
     stopping: Arc<AtomicBool>,
@@ -56,7 +59,7 @@ struct PeerProcess {
     local_pid: Option<i32>,
 }
 
-static ENGINE: OnceLock<Result<Engine, VerbsError>> = OnceLock::new();
+static ENGINE: OnceLock<Result<Engine, EngineError>> = OnceLock::new();
 
 /// How long the progress thread steps aside while the application busy-polls, and how many
 /// empty polls in that time count as busy-polling (a spinning application polls thousands of
@@ -86,13 +89,13 @@ pub fn host_network() -> &'static HostNetwork {
 
 impl Engine {
     /// The process's engine, started on first use.
-    pub fn get() -> Result<&'static Engine, VerbsError> {
+    pub fn get() -> Result<&'static Engine, EngineError> {
         let engine = ENGINE
             .get_or_init(Engine::start)
             .as_ref()
             .map_err(Clone::clone)?;
         if engine.stopping.load(Ordering::Acquire) {
-            return Err(VerbsError::NoDevice);
+            return Err(EngineError::Stopped);
         }
         Ok(engine)
     }
@@ -105,7 +108,7 @@ impl Engine {
             .filter(|e| !e.stopping.load(Ordering::Acquire))
     }
 
-    fn start() -> Result<Engine, VerbsError> {
+    fn start() -> Result<Engine, EngineError> {
         let context = ucp::Context::new()?;
         let worker = Worker::new(context)?;
         worker.set_am_handler(wire::AM_ID, Box::new(dispatch))?;
@@ -122,7 +125,7 @@ impl Engine {
                 std::thread::Builder::new()
                     .name("ugdr-lid-query".into())
                     .spawn(move || address::serve_queries(listener, dir))
-                    .map_err(|e| VerbsError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+                    .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
                 Ok(port)
             }
             Err(e) => {
@@ -140,7 +143,7 @@ impl Engine {
         let progress_thread = std::thread::Builder::new()
             .name("ugdr-progress".into())
             .spawn(move || progress_loop(&progress_worker, &stop, &polls))
-            .map_err(|e| VerbsError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+            .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         let seed = (std::process::id() & 0xffff) << 8;
         tracing::debug!(
             "engine up: lid {lid:#06x} ip {} address {} bytes",
@@ -205,25 +208,27 @@ impl Engine {
         }
     }
 
-    pub fn register_qp(&self, qp: Arc<QueuePair>) {
-        self.qps.insert(qp.qp_num, qp);
+    /// Messages for `qpn` go to `receiver` from now on.
+    pub fn register_qp(&self, qpn: u32, receiver: Arc<dyn MessageReceiver>) {
+        self.qps.insert(qpn, receiver);
     }
 
-    /// The QP with number `qpn`, if it lives in this process.
-    pub fn qp(&self, qpn: u32) -> Option<Arc<QueuePair>> {
+    /// The receiver of QP `qpn`, if it lives in this process.
+    fn receiver(&self, qpn: u32) -> Option<Arc<dyn MessageReceiver>> {
         self.qps.get(&qpn).map(|q| Arc::clone(q.value()))
     }
 
-    pub fn unregister_qp(&self, qpn: u32) -> Option<Arc<QueuePair>> {
-        self.qps.remove(&qpn).map(|(_, qp)| qp)
+    /// Messages for `qpn` are dropped from now on.
+    pub fn unregister_qp(&self, qpn: u32) {
+        self.qps.remove(&qpn);
     }
 
     /// Finds the worker address of the port named by `dlid` (or `dgid`). Blocking (it may
     /// ask another host): call without the worker lock.
-    pub fn resolve(&self, dlid: u16, dgid: Option<&[u8; 16]>) -> Result<Resolved, VerbsError> {
+    pub fn resolve(&self, dlid: u16, dgid: Option<&[u8; 16]>) -> Result<Resolved, EngineError> {
         address::resolve(&self.network, &self.directory, dlid, dgid).map_err(|e| {
             tracing::debug!("resolve: {e}");
-            VerbsError::Invalid("destination port not found")
+            EngineError::Unreachable
         })
     }
 
@@ -233,7 +238,7 @@ impl Engine {
         locked: &LockedWorker<'_>,
         remote: &Resolved,
         remote_qpn: u32,
-    ) -> Result<Peer, VerbsError> {
+    ) -> Result<Peer, EngineError> {
         let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = eps
             .get(&remote.worker_address)
@@ -319,30 +324,25 @@ impl Engine {
 
     /// Sends every ACK a QP of this process owes its peer.
     pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>) {
-        for qpn in crate::fake_verbs::qp::take_owed_acks() {
-            if let Some(qp) = self.qps.get(&qpn).map(|q| Arc::clone(q.value())) {
-                qp.flush_ack(locked);
+        for qpn in dispatch::take_owed_acks() {
+            if let Some(qp) = self.receiver(qpn) {
+                qp.send_owed_ack(locked);
             }
         }
     }
 }
 
-/// A peer became unreachable: every RC QP connected through a failed endpoint fails (UC and
-/// UD senders are not told, as an unacknowledged transport cannot know).
+/// A peer became unreachable: every QP is told, and those connected through a failed
+/// endpoint fail.
 fn endpoint_failed(locked: &LockedWorker<'_>, err: ucp::Error) {
     let Some(engine) = Engine::running() else {
         return;
     };
     tracing::debug!("endpoint to a peer failed: {err}");
-    let failed: Vec<Arc<QueuePair>> = engine
-        .qps
-        .iter()
-        .filter(|q| q.value().qp_type == QpType::Rc)
-        .filter(|q| q.value().peer_endpoint().is_some_and(|ep| ep.failed()))
-        .map(|q| Arc::clone(q.value()))
-        .collect();
-    for qp in failed {
-        qp.fail(locked, WcStatus::RetryExcErr);
+    let receivers: Vec<Arc<dyn MessageReceiver>> =
+        engine.qps.iter().map(|q| Arc::clone(q.value())).collect();
+    for qp in receivers {
+        qp.peer_failed(locked);
     }
 }
 
@@ -358,17 +358,19 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
     let Some(engine) = Engine::running() else {
         return false;
     };
-    let Some(qp) = engine.qps.get(&h.dst_qpn).map(|q| Arc::clone(q.value())) else {
+    let Some(qp) = engine.receiver(h.dst_qpn) else {
         tracing::debug!("dropping {:?} for unknown qp {:#x}", h.op, h.dst_qpn);
         return false;
     };
     match h.op {
         wire::Op::Send | wire::Op::Write | wire::Op::ReadRequest | wire::Op::Atomic => {
-            qp.on_request(locked, h, payload)
+            qp.request_arrived(locked, h, payload)
         }
-        wire::Op::ReadResponse | wire::Op::AtomicResponse => qp.on_response(locked, h, payload),
+        wire::Op::ReadResponse | wire::Op::AtomicResponse => {
+            qp.response_arrived(locked, h, payload)
+        }
         wire::Op::Ack => {
-            qp.on_ack(locked, &h);
+            qp.ack_arrived(locked, &h);
             false
         }
     }

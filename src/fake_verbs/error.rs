@@ -45,6 +45,22 @@ impl VerbsError {
     }
 }
 
+/// The engine's failures as verbs report them.
+impl From<crate::engine::EngineError> for VerbsError {
+    fn from(e: crate::engine::EngineError) -> Self {
+        use crate::engine::EngineError;
+        match e {
+            EngineError::Transport(t) => VerbsError::Transport(t),
+            EngineError::Os(errno) => VerbsError::Os(errno),
+            EngineError::NoFreeLid => {
+                VerbsError::NoResources("no free LID slot in the per-host directory")
+            }
+            EngineError::Unreachable => VerbsError::Invalid("destination port not found"),
+            EngineError::Stopped => VerbsError::NoDevice,
+        }
+    }
+}
+
 impl From<std::io::Error> for VerbsError {
     fn from(e: std::io::Error) -> Self {
         if e.kind() == std::io::ErrorKind::WouldBlock {

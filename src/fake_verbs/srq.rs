@@ -2,11 +2,13 @@
 
 use super::context::{DeviceContext, EVENT_SRQ_LIMIT_REACHED};
 use super::pd::ProtectionDomain;
+use super::qp::QueuePair;
 use super::work::RecvRequest;
 use super::{VerbsError, device};
+use crate::ucp::LockedWorker;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 struct Queue {
     wrs: VecDeque<RecvRequest>,
@@ -22,8 +24,8 @@ pub struct SharedReceiveQueue {
     handle: AtomicUsize,
     queue: Mutex<Queue>,
     users: AtomicUsize,
-    /// QPs (by number) holding messages until a WR is posted here.
-    starving: Mutex<Vec<u32>>,
+    /// QPs holding messages until a WR is posted here.
+    starving: Mutex<Vec<Weak<QueuePair>>>,
 }
 
 impl SharedReceiveQueue {
@@ -80,17 +82,30 @@ impl SharedReceiveQueue {
         Ok(())
     }
 
-    /// Records that QP `qpn` waits for a WR.
-    pub fn note_starving(&self, qpn: u32) {
+    /// Records that `qp` waits for a WR.
+    pub fn note_starving(&self, qp: &Arc<QueuePair>) {
         let mut s = self.starving.lock().unwrap_or_else(|p| p.into_inner());
-        if !s.contains(&qpn) {
-            s.push(qpn);
+        let me = Arc::downgrade(qp);
+        if !s.iter().any(|w| w.ptr_eq(&me)) {
+            s.push(me);
         }
     }
 
-    /// The QPs that waited for WRs (emptying the list).
-    pub fn take_starving(&self) -> Vec<u32> {
-        std::mem::take(&mut *self.starving.lock().unwrap_or_else(|p| p.into_inner()))
+    /// Whether some QP waits for a WR posted here.
+    pub fn has_starving(&self) -> bool {
+        !self
+            .starving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
+    /// Lets the QPs that waited for WRs take them now (in the order they started waiting).
+    pub fn deliver_to_starving(&self, locked: &LockedWorker<'_>) {
+        let waiting = std::mem::take(&mut *self.starving.lock().unwrap_or_else(|p| p.into_inner()));
+        for qp in waiting.iter().filter_map(Weak::upgrade) {
+            qp.deliver_pending(locked);
+        }
     }
 
     pub fn is_empty(&self) -> bool {

@@ -9,7 +9,8 @@
 //!   when the sender's address handle had a GRH it is written there and the completion has
 //!   IBV_WC_GRH.
 
-use super::{Body, QueuePair, Queues};
+use super::QueuePair;
+use super::queues::{Body, Queues};
 use crate::engine::wire::{self, Header, Op};
 use crate::fake_verbs::device::GRH_LEN;
 use crate::fake_verbs::mr;

@@ -1,0 +1,193 @@
+//! The completer (rxe's `rxe_comp.c`): turns ACKs, NAKs and READ/atomic responses into send
+//! completions, released strictly in post order; a NAK or a failed send fails the QP; entering
+//! ERR flushes every outstanding WR (sends first, then receives) with IBV_WC_WR_FLUSH_ERR.
+
+use super::super::context::EVENT_QP_LAST_WQE_REACHED;
+use super::super::qp_state::QpState;
+use super::super::work::{WcOpcode, WcStatus, WorkCompletion};
+use super::QueuePair;
+use super::queues::{Deferred, Queues, release_kept};
+use crate::engine::wire::{self, Header, Nak};
+use crate::ucp::{AmPayload, LockedWorker};
+use std::sync::Arc;
+
+impl QueuePair {
+    /// The send WR `seq` failed: it completes with `status` and the QP goes to ERR.
+    pub(super) fn fail_send(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        seq: u32,
+        status: WcStatus,
+    ) {
+        self.locked_then_send(locked, |q| {
+            if matches!(q.state, QpState::Err | QpState::Reset) {
+                return;
+            }
+            self.fail_entry(q, seq, status)
+        });
+    }
+
+    /// Completes every outstanding WR with IBV_WC_WR_FLUSH_ERR, in order (sends after any
+    /// already-finished ones, then receives).
+    pub(super) fn flush(&self, q: &mut Queues) {
+        self.release_send_completions(q);
+        while let Some(e) = q.sq.pop_front() {
+            let status = e.outcome.unwrap_or(WcStatus::WrFlushErr);
+            let mut wc = WorkCompletion::new(e.wr_id, status, e.opcode, self.qp_num);
+            wc.byte_len = 0;
+            self.send_cq.push(wc, true);
+        }
+        for l in q.landing.drain(..) {
+            if let Some(mut wc) = l.wc {
+                wc.status = WcStatus::WrFlushErr;
+                wc.byte_len = 0;
+                wc.wc_flags = 0;
+                self.recv_cq.push(wc, true);
+            }
+        }
+        if self.srq.is_some() {
+            // IBA 11.6.3: a QP on an SRQ that went to ERR will take no more of its WRs.
+            self.raise(EVENT_QP_LAST_WQE_REACHED);
+        }
+        for r in q.rq.drain(..) {
+            self.recv_cq.push(
+                WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num),
+                true,
+            );
+        }
+        release_kept(q);
+    }
+
+    pub(super) fn fail_entry(&self, q: &mut Queues, seq: u32, status: WcStatus) {
+        if let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq) {
+            e.outcome = Some(status);
+        }
+        self.release_send_completions(q);
+        q.state = QpState::Err;
+        self.flush(q);
+    }
+
+    /// Releases finished send WRs from the head of the queue, in post order.
+    pub(super) fn release_send_completions(&self, q: &mut Queues) {
+        while let Some(head) = q.sq.front() {
+            let Some(status) = head.outcome else { break };
+            let e = q.sq.pop_front().expect("head exists");
+            if e.signaled || status != WcStatus::Success {
+                let mut wc = WorkCompletion::new(e.wr_id, status, e.opcode, self.qp_num);
+                wc.byte_len = if status == WcStatus::Success {
+                    e.byte_len
+                } else {
+                    0
+                };
+                self.send_cq.push(wc, true);
+            }
+        }
+        self.check_drained(q);
+    }
+
+    /// An ACK (or NAK) from the responder.
+    pub fn on_ack(self: &Arc<Self>, locked: &LockedWorker<'_>, h: &Header) {
+        self.locked_then_send(locked, |q| self.on_ack_locked(q, h))
+    }
+
+    pub(super) fn on_ack_locked(&self, q: &mut Queues, h: &Header) {
+        if !matches!(q.state, QpState::Rts | QpState::Sqd | QpState::Sqe) {
+            return;
+        }
+        if q.peer.as_ref().map(|p| p.qpn) != Some(h.src_qpn) {
+            return;
+        }
+        match Nak::from_raw(h.status) {
+            None => self.apply_ack(q, h.seq),
+            Some(nak) => {
+                for e in q.sq.iter_mut() {
+                    if !wire::seq_before(e.seq, h.seq) {
+                        break;
+                    }
+                    if e.response_into.is_none() {
+                        e.outcome.get_or_insert(WcStatus::Success);
+                    }
+                }
+                let status = match nak {
+                    Nak::InvalidRequest => WcStatus::RemInvReqErr,
+                    Nak::RemoteOperational => WcStatus::RemOpErr,
+                    Nak::RemoteAccess => WcStatus::RemAccessErr,
+                };
+                self.fail_entry(q, h.seq, status);
+            }
+        }
+    }
+
+    /// Every send up to and including `seq` was delivered: complete them (in post order).
+    pub(super) fn apply_ack(&self, q: &mut Queues, seq: u32) {
+        for e in q.sq.iter_mut() {
+            if wire::seq_before(seq, e.seq) {
+                break;
+            }
+            if e.response_into.is_none() {
+                e.outcome.get_or_insert(WcStatus::Success);
+            }
+        }
+        self.release_send_completions(q);
+    }
+
+    /// The answer to one of this QP's READs or atomics.
+    pub fn on_response(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        h: Header,
+        payload: AmPayload<'_>,
+    ) -> bool {
+        self.locked_then_send(locked, |q| {
+            if q.peer.as_ref().map(|p| p.qpn) != Some(h.src_qpn) {
+                return false;
+            }
+            let Some(e) =
+                q.sq.iter_mut()
+                    .find(|e| e.seq == h.seq && e.outcome.is_none())
+            else {
+                return false;
+            };
+            let Some(spans) = e.response_into.clone() else {
+                return false;
+            };
+            match payload {
+                AmPayload::Transient(bytes) => crate::ucp::scatter(&spans, bytes),
+                AmPayload::Persistent(data) => crate::ucp::scatter(&spans, data.bytes()),
+                AmPayload::Rendezvous(data) => {
+                    q.outbox.push(Deferred::Receive {
+                        landed: QueuePair::on_response_landed,
+                        data,
+                        spans,
+                        seq: h.seq,
+                    });
+                    return false; // the descriptor is consumed by the receive
+                }
+            };
+            e.outcome = Some(WcStatus::Success);
+            self.release_send_completions(q);
+            false
+        })
+    }
+
+    pub(super) fn on_response_landed(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        seq: u32,
+        result: Result<usize, crate::ucp::Error>,
+    ) {
+        self.locked_then_send(locked, |q| {
+            if let Some(e) =
+                q.sq.iter_mut()
+                    .find(|e| e.seq == seq && e.outcome.is_none())
+            {
+                e.outcome = Some(if result.is_ok() {
+                    WcStatus::Success
+                } else {
+                    WcStatus::LocQpOpErr
+                });
+            }
+            self.release_send_completions(q);
+        })
+    }
+}

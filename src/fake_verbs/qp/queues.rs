@@ -1,0 +1,207 @@
+//! The state the requester, responder and completer share, behind the queue pair's one lock:
+//! the send queue with each WR's outcome, the receive queue, the responder's sequence state
+//! (early and waiting messages, requests whose data is still landing), the ACK owed, and the
+//! outbox of UCX work started only once that lock is released.
+
+use super::super::device;
+use super::super::qp_state::QpState;
+use super::super::work::{RecvRequest, WcOpcode, WcStatus, WorkCompletion};
+use super::{AppSpan, QpAttributes, QueuePair};
+use crate::engine::Peer;
+use crate::engine::wire::{self, Header, Op};
+use crate::ucp::{AmData, AmPayload, Endpoint, LockedWorker, SendPayload};
+use smallvec::SmallVec;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+pub(super) struct SendEntry {
+    pub(super) wr_id: u64,
+    pub(super) opcode: WcOpcode,
+    pub(super) signaled: bool,
+    pub(super) seq: u32,
+    pub(super) byte_len: u32,
+    /// Set when the entry is finished (acknowledged, or failed with this status).
+    pub(super) outcome: Option<WcStatus>,
+    /// READ and atomics: where the response lands; they finish with their response, never
+    /// with an ACK.
+    pub(super) response_into: Option<SmallVec<[AppSpan; 4]>>,
+}
+
+/// A message body: the running handler's, or one kept until it can be delivered.
+pub(super) enum Body<'a> {
+    Current(AmPayload<'a>),
+    Owned(Vec<u8>),
+    Held(AmData),
+}
+
+impl Body<'_> {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Body::Current(AmPayload::Transient(b)) => b.len(),
+            Body::Current(AmPayload::Persistent(d) | AmPayload::Rendezvous(d)) | Body::Held(d) => {
+                d.len()
+            }
+            Body::Owned(b) => b.len(),
+        }
+    }
+
+    /// The bytes, when they are already here (not a rendezvous).
+    pub(super) fn bytes_if_eager(&self) -> Option<&[u8]> {
+        match self {
+            Body::Current(AmPayload::Transient(b)) => Some(b),
+            Body::Current(AmPayload::Persistent(d)) => Some(d.bytes()),
+            Body::Held(d) if !d.is_rendezvous() => Some(d.bytes()),
+            Body::Owned(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+/// Requests that consume a posted receive.
+pub(super) fn needs_receive(h: &Header) -> bool {
+    h.op == Op::Send || (h.op == Op::Write && h.flags & wire::FLAG_IMM != 0)
+}
+
+pub(super) struct Pending {
+    pub(super) header: Header,
+    pub(super) body: Body<'static>,
+}
+
+/// A request whose effects complete in order at the responder: a receive or a write whose
+/// data is landing, or a READ/atomic waiting behind them (so it sees earlier writes).
+pub(super) struct Landing {
+    pub(super) seq: u32,
+    /// The receive completion it produces (SEND, WRITE_WITH_IMM), if any.
+    pub(super) wc: Option<WorkCompletion>,
+    pub(super) solicited: bool,
+    pub(super) landed: bool,
+    pub(super) then: Option<Response>,
+}
+
+/// What a READ or atomic answers, once every earlier request of the QP took effect.
+pub(super) enum Response {
+    Read {
+        span: Option<AppSpan>,
+    },
+    Atomic {
+        span: AppSpan,
+        kind: u8,
+        compare_add: u64,
+        swap: u64,
+    },
+}
+
+/// UCX work to start once the queue lock is released. UCX may run callbacks inline inside any
+/// call (its `self` transport delivers a send to a QP of this process, and completes a
+/// rendezvous receive, before the call returns), and those callbacks take queue locks, so no
+/// UCX operation is ever started while a queue lock is held.
+pub(super) enum Deferred {
+    Send {
+        endpoint: Arc<Endpoint>,
+        header: Header,
+        payload: SendPayload,
+        /// For data messages: the send-queue entry that fails if UCX cannot send it.
+        data_seq: Option<u32>,
+    },
+    /// Pull a rendezvous body into `spans` (a receive WR's buffers, a WRITE's target, or a
+    /// READ's SGEs at the requester); `landed` runs when it is in place.
+    Receive {
+        data: AmData,
+        spans: SmallVec<[AppSpan; 4]>,
+        seq: u32,
+        landed: Landed,
+    },
+    /// Give a kept message body back to UCX (for a rendezvous one, this answers its sender).
+    Release(AmData),
+}
+
+/// A data message `post_send` sends once the queue lock is released.
+pub(super) struct DataMessage {
+    pub(super) endpoint: Arc<Endpoint>,
+    pub(super) header: Header,
+    pub(super) payload: SendPayload,
+    pub(super) seq: u32,
+}
+
+/// What runs when a rendezvous body landed: `QueuePair::on_landed` (responder) or
+/// `QueuePair::on_response_landed` (a READ at the requester).
+pub(super) type Landed =
+    fn(&Arc<QueuePair>, &LockedWorker<'_>, u32, Result<usize, crate::ucp::Error>);
+
+pub(super) struct Queues {
+    pub(super) outbox: SmallVec<[Deferred; 2]>,
+    pub(super) state: QpState,
+    pub(super) attrs: QpAttributes,
+    pub(super) peer: Option<Peer>,
+    pub(super) sq: VecDeque<SendEntry>,
+    pub(super) next_send_seq: u32,
+    pub(super) rq: VecDeque<RecvRequest>,
+    pub(super) expected_seq: u32,
+    /// Messages that arrived ahead of `expected_seq`.
+    pub(super) early: BTreeMap<u32, Pending>,
+    /// In-order messages waiting for a receive WR (RNR: kept, as with infinite rnr_retry).
+    pub(super) waiting: VecDeque<Pending>,
+    /// Receives whose data is still landing (rendezvous), completed in order.
+    pub(super) landing: VecDeque<Landing>,
+    /// The newest delivered sequence number the peer has not been told about; it rides on the
+    /// next message this QP sends, or goes alone when the engine flushes owed ACKs.
+    pub(super) ack_owed: Option<u32>,
+    pub(super) acks_unsent: u32,
+    /// IBV_EVENT_COMM_EST was raised (the first message reached the QP in RTR).
+    pub(super) comm_established: bool,
+    /// In SQD with `en_sqd_async_notify`: IBV_EVENT_SQ_DRAINED is owed once the SQ is empty.
+    pub(super) sqd_notify: bool,
+    /// UC/UD: numbers receives in arrival order (their completions are released in it).
+    pub(super) next_receive: u32,
+}
+
+/// Most messages a QP keeps for a receiver that is not yet ready (RTR) or has no WR posted.
+pub(super) const MAX_KEPT_MESSAGES: usize = 1 << 16;
+
+/// Turns a handler's payload into something that outlives the handler.
+pub(super) fn keep(payload: AmPayload<'_>) -> (Body<'static>, bool) {
+    match payload {
+        AmPayload::Transient(b) => (Body::Owned(b.to_vec()), false),
+        AmPayload::Persistent(d) | AmPayload::Rendezvous(d) => (Body::Held(d), true),
+    }
+}
+
+pub(super) fn release_kept(q: &mut Queues) {
+    let early = std::mem::take(&mut q.early);
+    let held: Vec<AmData> = early
+        .into_values()
+        .chain(q.waiting.drain(..))
+        .filter_map(|p| match p.body {
+            Body::Held(d) => Some(d),
+            Body::Owned(_) | Body::Current(_) => None,
+        })
+        .collect();
+    q.outbox.extend(held.into_iter().map(Deferred::Release));
+}
+
+impl Queues {
+    /// The queues of a new QP (RESET).
+    pub(super) fn new() -> Queues {
+        Queues {
+            outbox: SmallVec::new(),
+            state: QpState::Reset,
+            attrs: QpAttributes {
+                port_num: device::PORT_NUM,
+                ..Default::default()
+            },
+            peer: None,
+            sq: VecDeque::new(),
+            next_send_seq: 0,
+            rq: VecDeque::new(),
+            expected_seq: 0,
+            early: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            landing: VecDeque::new(),
+            ack_owed: None,
+            acks_unsent: 0,
+            comm_established: false,
+            sqd_notify: false,
+            next_receive: 0,
+        }
+    }
+}

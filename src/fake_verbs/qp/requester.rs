@@ -1,0 +1,312 @@
+//! The requester (rxe's `rxe_req.c`): checks a send WR against the QP (`ibv_post_send`'s
+//! errors), queues it with its sequence number, builds the message header (piggybacking an
+//! owed ACK) and starts the UCX send once the queue lock is released. UC and UD sends
+//! complete here, when UCX is done with the buffer; RC sends wait for the completer.
+
+use super::super::mr::local_spans;
+use super::super::qp_state::{QpState, QpType};
+use super::super::work::{SendOpcode, SendRequest, WcStatus, WorkCompletion};
+use super::super::{VerbsError, device};
+use super::queues::{DataMessage, Queues, SendEntry};
+use super::{QueuePair, unreliable};
+use crate::engine::wire::{self, Header, Op};
+use crate::ucp::{Endpoint, LockedWorker, SendPayload, SendState};
+use std::sync::Arc;
+
+impl QueuePair {
+    /// Posts one send WR. Errors are the ones `ibv_post_send` returns (the WR is not queued);
+    /// failures found while executing it become error completions instead.
+    pub fn post_send(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        req: SendRequest,
+    ) -> Result<(), VerbsError> {
+        // A UD send's endpoint comes from the engine's cache, before the queue lock is taken.
+        let datagram_to = match (self.qp_type, &req.ud) {
+            (QpType::Ud, Some(ud)) => {
+                if !Arc::ptr_eq(&ud.ah.pd, &self.pd) {
+                    return Err(VerbsError::Invalid(
+                        "address handle of another protection domain",
+                    ));
+                }
+                Some(ud.ah.endpoint(locked))
+            }
+            (QpType::Ud, None) => {
+                return Err(VerbsError::Invalid("UD send without an address handle"));
+            }
+            _ => None,
+        };
+        // The message itself is sent straight from here (the hot path), the queue lock
+        // released; anything else the post queued goes through the outbox.
+        let message =
+            self.locked_then_send(locked, |q| self.post_send_locked(q, req, datagram_to))?;
+        if let Some(DataMessage {
+            endpoint,
+            header,
+            payload,
+            seq,
+        }) = message
+        {
+            self.start_send(locked, &endpoint, &header, payload, Some(seq));
+        }
+        Ok(())
+    }
+
+    /// `datagram_to`: for a UD send, the endpoint to the address handle's process (None:
+    /// nobody answers to that address, the datagram is lost).
+    pub(super) fn post_send_locked(
+        &self,
+        q: &mut Queues,
+        req: SendRequest,
+        datagram_to: Option<Option<Arc<Endpoint>>>,
+    ) -> Result<Option<DataMessage>, VerbsError> {
+        match q.state {
+            QpState::Rts | QpState::Sqd => {}
+            QpState::Err | QpState::Sqe => {
+                let mut wc = WorkCompletion::new(
+                    req.wr_id,
+                    WcStatus::WrFlushErr,
+                    req.opcode.completion_opcode(),
+                    self.qp_num,
+                );
+                wc.byte_len = 0;
+                self.send_cq.push(wc, true);
+                return Ok(None);
+            }
+            _ => return Err(VerbsError::Invalid("post_send on a QP that is not in RTS")),
+        }
+        if q.sq.len() >= self.caps.max_send_wr as usize {
+            return Err(VerbsError::QueueFull);
+        }
+        if req.sges.len() > self.caps.max_send_sge as usize {
+            return Err(VerbsError::Invalid("num_sge above max_send_sge"));
+        }
+        if let Some(d) = &req.inline_data {
+            if d.len() > self.caps.max_inline_data as usize {
+                return Err(VerbsError::Invalid("inline data above max_inline_data"));
+            }
+        }
+        let length = req.length();
+        if length > u64::from(device::MAX_MSG_SIZE) {
+            return Err(VerbsError::Invalid(
+                "message longer than the port's max_msg_sz",
+            ));
+        }
+        match (self.qp_type, req.opcode) {
+            (QpType::Ud, SendOpcode::Send | SendOpcode::SendWithImm) => {}
+            (QpType::Ud, _) => {
+                return Err(VerbsError::Invalid(
+                    "UD carries SEND and SEND_WITH_IMM only",
+                ));
+            }
+            (
+                QpType::Uc,
+                SendOpcode::RdmaRead | SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd,
+            ) => {
+                return Err(VerbsError::Invalid("UC carries no RDMA READ or atomics"));
+            }
+            _ => {}
+        }
+        let op = match req.opcode {
+            SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
+            SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => Op::Write,
+            SendOpcode::RdmaRead => Op::ReadRequest,
+            SendOpcode::AtomicFetchAndAdd | SendOpcode::AtomicCmpAndSwp => {
+                // As rxe's validate_send_wr: one 8-byte SGE and an 8-byte aligned address.
+                if req.sges.len() != 1 || req.sges[0].length != 8 || req.remote_addr % 8 != 0 {
+                    return Err(VerbsError::Invalid(
+                        "atomic needs one 8-byte SGE and an aligned remote address",
+                    ));
+                }
+                Op::Atomic
+            }
+        };
+        if req.inline_data.is_some() && !matches!(op, Op::Send | Op::Write) {
+            return Err(VerbsError::Invalid(
+                "inline is for SEND and RDMA WRITE only",
+            ));
+        }
+        let seq = q.next_send_seq;
+        q.next_send_seq = seq.wrapping_add(1);
+        q.sq.push_back(SendEntry {
+            wr_id: req.wr_id,
+            opcode: req.opcode.completion_opcode(),
+            signaled: req.signaled || self.sq_sig_all,
+            seq,
+            byte_len: length as u32,
+            outcome: None,
+            response_into: None,
+        });
+        let payload = match (op, req.inline_data) {
+            (_, Some(bytes)) => SendPayload::Owned(bytes),
+            (Op::Send | Op::Write, None) => match local_spans(&self.pd, &req.sges, false) {
+                Some(spans) => SendPayload::Spans(spans),
+                None => {
+                    tracing::debug!(
+                        "qp {:#x}: wr_id {} has a bad lkey or range",
+                        self.qp_num,
+                        req.wr_id
+                    );
+                    self.fail_entry(q, seq, WcStatus::LocProtErr);
+                    return Ok(None);
+                }
+            },
+            (_, None) => {
+                // READ and atomics land in local memory: it must be writable.
+                let Some(spans) = local_spans(&self.pd, &req.sges, true) else {
+                    tracing::debug!(
+                        "qp {:#x}: wr_id {} has a bad lkey or range",
+                        self.qp_num,
+                        req.wr_id
+                    );
+                    self.fail_entry(q, seq, WcStatus::LocProtErr);
+                    return Ok(None);
+                };
+                if let Some(e) = q.sq.back_mut() {
+                    e.response_into = Some(spans);
+                }
+                if op == Op::Atomic {
+                    let mut operands = Vec::with_capacity(16);
+                    operands.extend_from_slice(&req.compare_add.to_le_bytes());
+                    operands.extend_from_slice(&req.swap.to_le_bytes());
+                    SendPayload::Owned(operands)
+                } else {
+                    SendPayload::None
+                }
+            }
+        };
+        let (endpoint, mut header) = match (&req.ud, datagram_to) {
+            (Some(ud), Some(endpoint)) => {
+                let endpoint = match endpoint {
+                    Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) => ep,
+                    _ => {
+                        // C10-93.1.1: a UD message above the port's MTU emits no packet and
+                        // is no error (rxe completes it successfully); neither is a datagram
+                        // to an address nobody answers to.
+                        tracing::debug!(
+                            "qp {:#x}: datagram of {length} bytes to lid {:#06x} not sent",
+                            self.qp_num,
+                            ud.ah.av.dlid
+                        );
+                        if let Some(e) = q.sq.back_mut() {
+                            e.outcome = Some(WcStatus::Success);
+                        }
+                        self.release_send_completions(q);
+                        return Ok(None);
+                    }
+                };
+                let header =
+                    unreliable::datagram_header(ud, q.attrs.qkey, self.qp_num, self.local_lid, seq);
+                (endpoint, header)
+            }
+            _ => {
+                let Some(peer) = q.peer.clone() else {
+                    self.fail_entry(q, seq, WcStatus::RetryExcErr);
+                    return Ok(None);
+                };
+                let mut header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
+                if self.qp_type == QpType::Uc {
+                    header.flags |= wire::FLAG_UNRELIABLE;
+                }
+                (peer.endpoint, header)
+            }
+        };
+        if matches!(
+            req.opcode,
+            SendOpcode::SendWithImm | SendOpcode::RdmaWriteWithImm
+        ) {
+            header.flags |= wire::FLAG_IMM;
+            header.imm_data = req.imm_data;
+        }
+        if op != Op::Send {
+            header.remote_addr = req.remote_addr;
+            header.rkey = req.rkey;
+        }
+        header.length = length as u32;
+        match req.opcode {
+            SendOpcode::AtomicFetchAndAdd => header.status = wire::ATOMIC_FETCH_ADD,
+            SendOpcode::AtomicCmpAndSwp => header.status = wire::ATOMIC_CMP_SWAP,
+            _ => {}
+        }
+        if req.solicited {
+            header.flags |= wire::FLAG_SOLICITED;
+        }
+        if let Some(ack) = q.ack_owed.take() {
+            header.flags |= wire::FLAG_ACK;
+            header.ack_seq = ack;
+            q.acks_unsent = 0;
+        }
+        Ok(Some(DataMessage {
+            endpoint,
+            header,
+            payload,
+            seq,
+        }))
+    }
+
+    pub(super) fn start_send(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        endpoint: &Endpoint,
+        header: &Header,
+        payload: SendPayload,
+        data_seq: Option<u32>,
+    ) {
+        // UC and UD sends complete once UCX is done with the buffer: nothing acknowledges them.
+        let unreliable = self.qp_type != QpType::Rc;
+        let result = match data_seq {
+            Some(seq) => {
+                let me = Arc::clone(self);
+                endpoint.am_send(
+                    locked,
+                    wire::AM_ID,
+                    &header.encode(),
+                    payload,
+                    move |locked, result| match result {
+                        Ok(()) if unreliable => me.sent(locked, seq),
+                        Ok(()) => {}
+                        Err(e) => {
+                            tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
+                            if unreliable {
+                                me.sent(locked, seq);
+                            } else {
+                                me.fail_send(locked, seq, WcStatus::RetryExcErr);
+                            }
+                        }
+                    },
+                )
+            }
+            None => endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, |_, _| {}),
+        };
+        match (result, data_seq) {
+            (Ok(SendState::Done), Some(seq)) if unreliable => self.sent(locked, seq),
+            (Ok(_), _) | (Err(_), None) => {}
+            (Err(e), Some(seq)) => {
+                tracing::debug!(
+                    "qp {:#x}: cannot send {:?} seq {seq}: {e}",
+                    self.qp_num,
+                    header.op,
+                );
+                if unreliable {
+                    // Lost on the way, as an unreliable transport may lose it.
+                    self.sent(locked, seq);
+                } else {
+                    self.fail_send(locked, seq, WcStatus::RetryExcErr);
+                }
+            }
+        }
+    }
+
+    /// A UC/UD send left: it completes (in post order) without an acknowledgement.
+    pub(super) fn sent(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32) {
+        self.locked_then_send(locked, |q| {
+            if let Some(e) =
+                q.sq.iter_mut()
+                    .find(|e| e.seq == seq && e.outcome.is_none())
+            {
+                e.outcome = Some(WcStatus::Success);
+            }
+            self.release_send_completions(q);
+        });
+    }
+}

@@ -1,0 +1,154 @@
+//! The state machine applied to a queue pair (`ibv_modify_qp`; the table itself is
+//! [`crate::fake_verbs::qp_state`]): what entering each state does to the queues, and the
+//! events a state change raises (COMM_EST, SQ_DRAINED, QP_FATAL).
+
+use super::super::context::{EVENT_COMM_EST, EVENT_QP_FATAL, EVENT_SQ_DRAINED};
+use super::super::qp_state::{QpState, QpType, TransitionError, check_transition};
+use super::super::work::WcStatus;
+use super::super::{VerbsError, device};
+use super::attributes::{apply_attrs, check_values};
+use super::queues::{Queues, release_kept};
+use super::{ModifyRequest, Peer, QpAttributes, QueuePair};
+use crate::ucp::LockedWorker;
+use std::sync::Arc;
+
+impl QueuePair {
+    /// Checks a modify against the state machine and the attribute values; applies it only
+    /// if all of it is valid ("none of the attributes will be modified" otherwise).
+    /// `peer` is the resolved destination when the request moves an RC QP to RTR.
+    pub fn modify(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        req: &ModifyRequest,
+        peer: Option<Peer>,
+    ) -> Result<QpState, VerbsError> {
+        self.locked_then_send(locked, |q| self.modify_locked(q, req, peer))
+    }
+
+    pub(super) fn modify_locked(
+        self: &Arc<Self>,
+        q: &mut Queues,
+        req: &ModifyRequest,
+        peer: Option<Peer>,
+    ) -> Result<QpState, VerbsError> {
+        let cur = q.state;
+        let next = req.state.unwrap_or(cur);
+        check_transition(self.qp_type, cur, next, req.mask, req.claimed_cur).map_err(|e| {
+            tracing::debug!("modify qp {:#x}: {e:?}", self.qp_num);
+            match e {
+                TransitionError::Invalid { .. } => {
+                    VerbsError::Invalid("invalid qp state transition")
+                }
+                TransitionError::Missing { .. } => {
+                    VerbsError::Invalid("required qp attributes missing")
+                }
+                TransitionError::Unexpected { .. } => {
+                    VerbsError::Invalid("qp attribute not allowed in this transition")
+                }
+                TransitionError::CurStateMismatch { .. } => {
+                    VerbsError::Invalid("cur_qp_state does not match")
+                }
+            }
+        })?;
+        check_values(req)?;
+        if next == QpState::Rtr
+            && cur != QpState::Rtr
+            && matches!(self.qp_type, QpType::Rc | QpType::Uc)
+            && peer.is_none()
+        {
+            return Err(VerbsError::Invalid(
+                "destination address cannot be resolved",
+            ));
+        }
+        apply_attrs(&mut q.attrs, req);
+        if next != cur || next == QpState::Reset || next == QpState::Err {
+            self.enter(q, next, peer);
+        }
+        Ok(q.state)
+    }
+
+    pub(super) fn enter(self: &Arc<Self>, q: &mut Queues, next: QpState, peer: Option<Peer>) {
+        tracing::debug!("qp {:#x}: {:?} -> {:?}", self.qp_num, q.state, next);
+        match next {
+            QpState::Reset => {
+                release_kept(q);
+                q.sq.clear();
+                q.rq.clear();
+                q.peer = None;
+                q.next_send_seq = 0;
+                q.expected_seq = 0;
+                q.ack_owed = None;
+                q.acks_unsent = 0;
+                q.comm_established = false;
+                q.sqd_notify = false;
+                q.next_receive = 0;
+                q.attrs = QpAttributes {
+                    port_num: device::PORT_NUM,
+                    ..Default::default()
+                };
+                q.state = QpState::Reset;
+            }
+            QpState::Err => {
+                q.state = QpState::Err;
+                self.flush(q);
+            }
+            QpState::Rtr => {
+                q.state = QpState::Rtr;
+                q.peer = peer;
+                q.expected_seq = 0;
+                if !q.early.is_empty() {
+                    self.established(q);
+                }
+                // Messages that arrived before RTR (the peer may be faster) are delivered now.
+                self.drain_early(q);
+            }
+            QpState::Rts => {
+                if q.state == QpState::Rtr {
+                    q.next_send_seq = 0;
+                }
+                q.state = QpState::Rts;
+                q.sqd_notify = false;
+            }
+            QpState::Sqd => {
+                q.state = QpState::Sqd;
+                q.sqd_notify = q.attrs.en_sqd_async_notify != 0;
+                self.check_drained(q);
+            }
+            other => q.state = other,
+        }
+    }
+
+    /// The first message reached the QP while in RTR (IBA 11.6.3: IBV_EVENT_COMM_EST, so a
+    /// passive side knows the connection works before it moves to RTS).
+    pub(super) fn established(&self, q: &mut Queues) {
+        if q.state == QpState::Rtr && !q.comm_established {
+            q.comm_established = true;
+            self.raise(EVENT_COMM_EST);
+        }
+    }
+
+    /// In SQD with notification asked for: IBV_EVENT_SQ_DRAINED once no send is outstanding.
+    pub(super) fn check_drained(&self, q: &mut Queues) {
+        if q.sqd_notify && q.state == QpState::Sqd && q.sq.is_empty() {
+            q.sqd_notify = false;
+            self.raise(EVENT_SQ_DRAINED);
+        }
+    }
+
+    /// Moves the QP to ERR because of a failure the engine saw (peer gone, transport error):
+    /// an error not caused by one work request, so IBV_EVENT_QP_FATAL as well.
+    pub fn fail(self: &Arc<Self>, locked: &LockedWorker<'_>, status: WcStatus) {
+        self.locked_then_send(locked, |q| {
+            if q.state == QpState::Err || q.state == QpState::Reset {
+                return;
+            }
+            self.raise(EVENT_QP_FATAL);
+            if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none()) {
+                e.outcome = Some(status);
+            }
+            self.release_send_completions(q);
+            q.state = QpState::Err;
+            self.flush(q);
+        })
+    }
+}
