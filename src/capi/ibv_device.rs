@@ -282,6 +282,7 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
     out.max_qp_init_rd_atom = a.max_qp_init_rd_atom;
     out.atomic_cap = ibv_atomic_cap::IBV_ATOMIC_HCA;
     out.max_srq = a.max_srq;
+    out.max_ah = a.max_ah;
     out.max_srq_wr = a.max_srq_wr;
     out.max_srq_sge = a.max_srq_sge;
     out.max_pkeys = a.max_pkeys;
