@@ -23,7 +23,13 @@ fn symbols(args: &[&str], file: &str) -> BTreeSet<String> {
 /// The system's `libibverbs.so.1` and `librdmacm.so.1` (Debian 12: rdma-core 44), as the
 /// dynamic linker finds them.
 fn system_library(soname: &str) -> String {
-    let out = Command::new(require("ldconfig"))
+    // Not on a non-root user's PATH on Debian.
+    let ldconfig = ["/sbin/ldconfig", "/usr/sbin/ldconfig"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).is_file())
+        .map(String::from)
+        .unwrap_or_else(|| require("ldconfig"));
+    let out = Command::new(ldconfig)
         .arg("-p")
         .output()
         .expect("ldconfig -p");
