@@ -78,6 +78,83 @@ fn ibv_devinfo_verbose_shows_an_active_infiniband_port() {
     assert_ne!(lid, "0", "the LID must be non-zero");
 }
 
+/// `ibv_devinfo -v`'s device block (everything before the port) under a device profile, as
+/// (field, value) pairs; a flag list's lines are appended to their field's value.
+fn device_block(profile: &str) -> Vec<(String, String)> {
+    let mut cmd = preloaded("ibv_devinfo", &["-v"]);
+    cmd.env("UGDR_DEVICE_PROFILE", profile);
+    let out = run(cmd, "ibv_devinfo -v", Duration::from_secs(30));
+    assert_success(&out, &format!("ibv_devinfo -v, profile {profile}"));
+    let mut fields: Vec<(String, String)> = Vec::new();
+    for line in stdout(&out).lines().skip(1) {
+        let l = line.trim();
+        if l.starts_with("port:") {
+            break;
+        }
+        match l.split_once(':') {
+            Some((k, v)) if !k.contains(' ') => fields.push((k.to_string(), v.trim().to_string())),
+            _ => match fields.last_mut() {
+                Some((_, v)) => *v = format!("{v} {l}"),
+                None => fields.push((l.to_string(), String::new())),
+            },
+        }
+    }
+    assert!(fields.len() > 30, "{}", text(&out));
+    fields
+}
+
+fn field<'a>(fields: &'a [(String, String)], name: &str) -> &'a str {
+    fields
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_else(|| panic!("no {name} in {fields:?}"))
+}
+
+/// Real devices never report vendor 0 (SPDK warns and assumes rxe; test suites assert
+/// non-zero). ugdr's own identity is rxe's software vendor id with ugdr's part id, never
+/// Mellanox's; the ConnectX-6 profile changes the identity and nothing else.
+#[test]
+fn the_device_has_a_vendor_identity_in_both_profiles_and_nothing_else_differs() {
+    let own = device_block("ugdr");
+    let cx6 = device_block("connectx6");
+    assert_eq!(field(&own, "vendor_id"), "0xffffff");
+    assert_eq!(field(&own, "vendor_part_id"), "30055");
+    assert_eq!(field(&cx6, "vendor_id"), "0x02c9");
+    assert_eq!(field(&cx6, "vendor_part_id"), "4123");
+    let identity = |k: &str| k == "vendor_id" || k == "vendor_part_id";
+    let rest = |f: &[(String, String)]| -> Vec<(String, String)> {
+        f.iter().filter(|(k, _)| !identity(k)).cloned().collect()
+    };
+    assert_eq!(
+        rest(&own),
+        rest(&cx6),
+        "the profiles differ beyond the identity"
+    );
+    // Limits that say what ugdr has: address handles yes, memory windows and multicast no.
+    assert_ne!(field(&own, "max_ah"), "0");
+    assert_eq!(field(&own, "max_mw"), "0");
+    assert_eq!(field(&own, "max_mcast_grp"), "0");
+    // No memory windows, so no IBV_DEVICE_MEM_MGT_EXTENSIONS (bit 21): SPDK would otherwise
+    // use SEND_WITH_INV, which ugdr does not carry.
+    let flags = field(&own, "device_cap_flags");
+    let bits = u32::from_str_radix(
+        flags
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .trim_start_matches("0x"),
+        16,
+    )
+    .expect("hex device_cap_flags");
+    assert_eq!(
+        bits & (1 << 21),
+        0,
+        "MEM_MGT_EXTENSIONS advertised: {flags}"
+    );
+    assert!(!flags.contains("MEM_MGT_EXTENSIONS"), "{flags}");
+}
+
 fn rc_pingpong(opts: &[&str], timeout_s: u64) {
     pingpong("ibv_rc_pingpong", opts, timeout_s);
 }

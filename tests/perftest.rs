@@ -11,8 +11,13 @@ fn perftest(program: &str, opts: &[&str], timeout_s: u64) {
     perftest_with_profile(program, opts, timeout_s, None);
 }
 
-/// `profile`: the `UGDR_DEVICE_PROFILE` both sides run with.
-fn perftest_with_profile(program: &str, opts: &[&str], timeout_s: u64, profile: Option<&str>) {
+/// `profile`: the `UGDR_DEVICE_PROFILE` both sides run with. Returns the client's output.
+fn perftest_with_profile(
+    program: &str,
+    opts: &[&str],
+    timeout_s: u64,
+    profile: Option<&str>,
+) -> std::process::Output {
     let port = free_port().to_string();
     let mut args = vec!["-p", port.as_str()];
     args.extend_from_slice(opts);
@@ -39,6 +44,7 @@ fn perftest_with_profile(program: &str, opts: &[&str], timeout_s: u64, profile: 
     );
     let out = String::from_utf8_lossy(&c.stdout);
     assert!(out.contains("#bytes"), "no result table\n{}", text(&c));
+    c
 }
 
 const OLD: &str = "--use_old_post_send";
@@ -106,6 +112,27 @@ fn ib_write_bw_four_qps() {
 #[test]
 fn ib_atomic_bw_compare_and_swap() {
     perftest("ib_atomic_bw", &["-A", "CMP_AND_SWAP", "-n", "1000"], 90);
+}
+
+/// perftest picks its post-send path and inline size from the device identity (its
+/// `ib_dev_name`): ugdr's own is a device it does not know (no inline data, the generic
+/// post-send path), the ConnectX-6 profile one it does (inline sends, `ibv_wr_*`).
+#[test]
+fn perftest_knows_the_connectx6_profile_and_not_ugdrs_own_identity() {
+    let inline = |profile: &str| {
+        let c = perftest_with_profile("ib_send_lat", &["-n", "200"], 90, Some(profile));
+        let out = String::from_utf8_lossy(&c.stdout).into_owned();
+        let line = out
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("Max inline data :"))
+            .unwrap_or_else(|| panic!("no inline line\n{}", text(&c)));
+        line.trim()
+            .trim_end_matches("[B]")
+            .parse::<u32>()
+            .expect("inline size")
+    };
+    assert_eq!(inline("ugdr"), 0);
+    assert!(inline("connectx6") > 0);
 }
 
 /// With a ConnectX-6 identity perftest takes its default `ibv_wr_*` path, as on that NIC.

@@ -12,7 +12,7 @@ use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::os::raw::{c_char, c_int, c_uint};
 use std::ptr::{self, null_mut};
 use std::sync::{Arc, LazyLock, Once, OnceLock};
@@ -59,10 +59,37 @@ fn attributes() -> DeviceAttributes {
 /// Device lists ugdr handed out → the real library's list they embed (0 if none).
 static LISTS: LazyLock<DashMap<usize, usize, FxBuildHasher>> = LazyLock::new(DashMap::default);
 
+thread_local! {
+    /// Set while this thread runs a real libibverbs function that lists devices itself and
+    /// reads their private provider tail (`ibv_import_device`): its `ibv_get_device_list`
+    /// call lands here and must get the real library's own list.
+    static REAL_LIST_ONLY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` (a call into the real libibverbs) with this thread's `ibv_get_device_list`
+/// answering the real library's list alone.
+pub(crate) fn with_real_device_list<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            REAL_LIST_ONLY.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(REAL_LIST_ONLY.with(|c| c.replace(true)));
+    f()
+}
+
 /// ugdr's device first, then any real devices (so a host with HCAs keeps them usable).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut ibv_device {
     ffi_boundary!("ibv_get_device_list", {
+        if REAL_LIST_ONLY.with(Cell::get) {
+            return match passthrough::ibv_get_device_list() {
+                // SAFETY: the real function with the caller's out-parameter.
+                Some(real) => unsafe { real(num_devices) },
+                None => <*mut *mut ibv_device>::fail(libc::ENOSYS),
+            };
+        }
         let mut list: Vec<*mut ibv_device> = vec![device().as_raw()];
         let mut real_list: *mut *mut ibv_device = null_mut();
         if let Some(real) = passthrough::ibv_get_device_list() {
@@ -255,6 +282,7 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
     out.max_qp_init_rd_atom = a.max_qp_init_rd_atom;
     out.atomic_cap = ibv_atomic_cap::IBV_ATOMIC_HCA;
     out.max_srq = a.max_srq;
+    out.max_ah = a.max_ah;
     out.max_srq_wr = a.max_srq_wr;
     out.max_srq_sge = a.max_srq_sge;
     out.max_pkeys = a.max_pkeys;

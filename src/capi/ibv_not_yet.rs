@@ -4,8 +4,7 @@
 //! the real libibverbs read ugdr's objects as its own; given a real library's object it
 //! forwards to the real function (by exact version node).
 
-use super::boundary::{Fallback, ffi_boundary};
-use super::layout::owned_context;
+use super::boundary::Fallback;
 use super::passthrough::real_functions;
 use crate::sys::*;
 use std::os::raw::{c_int, c_void};
@@ -25,33 +24,35 @@ mod real {
 }
 
 /// Defines an export whose first argument is an object with a `context` field (`$ctx` reads
-/// it): ugdr's → `$ours`; another library's → the real function; NULL → EINVAL.
+/// it): ugdr's → `$ours`; another library's → the real function (`real::$name`, a
+/// `real_functions!` entry at the call site); NULL → EINVAL.
 macro_rules! not_yet {
     ($(#[$doc:meta])* $name:ident($first:ident: $fty:ty $(, $arg:ident: $ty:ty)*) -> $ret:ty, context = $ctx:expr, ours = $ours:expr;) => {
         $(#[$doc])*
         #[unsafe(no_mangle)]
         pub unsafe extern "C" fn $name($first: $fty $(, $arg: $ty)*) -> $ret {
-            ffi_boundary!(stringify!($name), {
+            $crate::capi::boundary::ffi_boundary!(stringify!($name), {
                 if $first.is_null() {
-                    return <$ret>::fail(libc::EINVAL);
+                    return <$ret as $crate::capi::boundary::Fallback>::fail(libc::EINVAL);
                 }
                 #[allow(unused_unsafe)]
                 // SAFETY: a valid object of the real library or of ugdr: its context field is readable.
                 let context = unsafe { $ctx };
                 // SAFETY: owned_context only compares the pointer against ugdr's registry.
-                if unsafe { owned_context(context) }.is_some() {
-                    tracing::debug!("{}: not supported by ugdr yet", stringify!($name));
+                if unsafe { $crate::capi::layout::owned_context(context) }.is_some() {
+                    tracing::debug!("{}: not supported by ugdr", stringify!($name));
                     return $ours;
                 }
                 match real::$name() {
                     // SAFETY: not ugdr's object, so the real library's.
                     Some(real) => unsafe { real($first $(, $arg)*) },
-                    None => <$ret>::fail(libc::EINVAL),
+                    None => <$ret as $crate::capi::boundary::Fallback>::fail(libc::EINVAL),
                 }
             })
         }
     };
 }
+pub(super) use not_yet;
 
 not_yet! {
     /// Multicast (UD): not yet.

@@ -22,6 +22,7 @@ pub struct DeviceAttributes {
     pub max_qp_rd_atom: i32,
     pub max_qp_init_rd_atom: i32,
     pub max_srq: i32,
+    pub max_ah: i32,
     pub max_srq_wr: i32,
     pub max_srq_sge: i32,
     pub max_pkeys: u16,
@@ -56,8 +57,9 @@ impl DeviceAttributes {
             sys_image_guid: node_guid,
             max_mr_size: u64::MAX,
             page_size_cap: 0xffff_f000,
-            // By default not a registered vendor: applications that key behaviour off the
-            // vendor (perftest) take their generic paths. UGDR_DEVICE_PROFILE picks another.
+            // By default a software device of no registered vendor: applications that key
+            // behaviour off the vendor (perftest) take their generic paths.
+            // UGDR_DEVICE_PROFILE picks another identity.
             vendor_id: profile().vendor_id,
             vendor_part_id: profile().vendor_part_id,
             hw_ver: 1,
@@ -72,6 +74,7 @@ impl DeviceAttributes {
             max_qp_rd_atom: MAX_RD_ATOMIC,
             max_qp_init_rd_atom: MAX_RD_ATOMIC,
             max_srq: 1 << 16,
+            max_ah: 1 << 16,
             max_srq_wr: MAX_QP_WR,
             max_srq_sge: MAX_SGE,
             max_pkeys: PKEY_TABLE_LEN,
@@ -89,11 +92,16 @@ pub struct DeviceProfile {
     pub vendor_part_id: u32,
 }
 
-/// ugdr's own identity (vendor 0): perftest then uses its generic post-send path.
+/// ugdr's own identity: vendor 0xFFFFFF, the id Linux's software RDMA device (rxe) reports,
+/// which claims no company's IEEE OUI (0 is reported by no real device, and ugdr is not
+/// Mellanox), and part 0x7567 ("ug") for ugdr under it. perftest knows neither (it keys off
+/// vendors 5157 and 0x8086 and a table of part ids), so it takes its generic post-send path
+/// without inline data; SPDK treats the vendor as rxe's: no SEND_WITH_INV, and no wait for
+/// LAST_WQE_REACHED at SRQ teardown.
 pub const PROFILE_UGDR: DeviceProfile = DeviceProfile {
     name: "ugdr",
-    vendor_id: 0,
-    vendor_part_id: 0,
+    vendor_id: 0x00ff_ffff,
+    vendor_part_id: 0x7567,
 };
 /// A ConnectX-6-like identity (Mellanox vendor 0x02c9, part 4123): perftest then takes the
 /// `ibv_wr_*` path it takes on that hardware.
