@@ -702,8 +702,34 @@ fn create_qp_ex_refuses_unsupported_requests() {
     };
     assert!(unsafe { create_qp_ex(dev.ctx, &mut unknown) }.is_null());
     assert_eq!(errno(), libc::EOPNOTSUPP);
+    // CREATE_FLAGS in the mask with no flag set is a plain request (pyverbs' random QPs send
+    // it); a flag ugdr does not have (IBV_QP_CREATE_SCATTER_FCS = 2) is EOPNOTSUPP.
+    let create_flags = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0;
+    let mut no_flags = ibv_qp_init_attr_ex {
+        comp_mask: ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | create_flags,
+        create_flags: 0,
+        ..attr
+    };
+    let plain = unsafe { create_qp_ex(dev.ctx, &mut no_flags) };
+    assert!(!plain.is_null(), "errno {}", errno());
+    let mut a_flag = ibv_qp_init_attr_ex {
+        create_flags: 2,
+        ..no_flags
+    };
+    assert!(unsafe { create_qp_ex(dev.ctx, &mut a_flag) }.is_null());
+    assert_eq!(errno(), libc::EOPNOTSUPP);
+    // create_flags is read only when its bit is in comp_mask.
+    let mut ignored = ibv_qp_init_attr_ex {
+        comp_mask: ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0,
+        create_flags: 2,
+        ..no_flags
+    };
+    let qp2 = unsafe { create_qp_ex(dev.ctx, &mut ignored) };
+    assert!(!qp2.is_null(), "errno {}", errno());
     unsafe {
         ibv_destroy_qp(qp);
+        ibv_destroy_qp(plain);
+        ibv_destroy_qp(qp2);
         ibv_destroy_cq(cq);
     }
 }

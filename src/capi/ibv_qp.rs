@@ -41,7 +41,9 @@ fn supported_send_ops(qp_type: u32) -> u64 {
         _ => 0,
     }
 }
+/// What `ibv_create_qp_ex` accepts in `comp_mask` (CREATE_FLAGS with no flag set, as rxe).
 const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
+    | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0
     | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
 
 /// # Safety
@@ -223,7 +225,9 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         }
         // SAFETY: the caller's attribute struct, checked non-NULL.
         let a = unsafe { &mut *attr };
-        if a.comp_mask & !SUPPORTED_INIT_MASK != 0 || a.create_flags != 0 {
+        let flags_given =
+            a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0 != 0;
+        if a.comp_mask & !SUPPORTED_INIT_MASK != 0 || (flags_given && a.create_flags != 0) {
             return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
         }
         if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 == 0 || a.pd.is_null() {
