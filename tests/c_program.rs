@@ -4,22 +4,12 @@
 mod harness;
 
 use harness::*;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 #[test]
 fn c_program_with_verbs_inlines_runs_under_ugdr() {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/c/rc_loopback.c");
-    let exe = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("rc_loopback");
-    let cc = Command::new(require("cc"))
-        .args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .arg("-libverbs")
-        .output()
-        .expect("cc");
-    assert!(cc.status.success(), "cc failed\n{}", text(&cc));
+    let exe = build_c("rc_loopback", &["-libverbs"]);
     let mut cmd = Command::new(&exe);
     cmd.env("LD_PRELOAD", lib_path());
     let out = run(cmd, "rc_loopback", Duration::from_secs(60));

@@ -23,19 +23,14 @@ const NOBODY: u32 = 65534;
 /// tests/c/lookup_helper.c, built once.
 fn helper() -> &'static Path {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
-    EXE.get_or_init(|| {
-        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/c/lookup_helper.c");
-        let exe = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("lookup_helper");
-        let cc = Command::new(require("cc"))
-            .args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-o"])
-            .arg(&exe)
-            .arg(&src)
-            .arg("-libverbs")
-            .output()
-            .expect("cc");
-        assert_success(&cc, "cc tests/c/lookup_helper.c");
-        exe
-    })
+    EXE.get_or_init(|| build_c("lookup_helper", &["-libverbs"]))
+}
+
+/// Creates directory `p` with exactly `mode`.
+fn make_dir(p: PathBuf, mode: u32) -> PathBuf {
+    std::fs::create_dir(&p).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+    p
 }
 
 /// A scratch directory (for UGDR_RUNDIRs, and a copy of the helper that every user may run:
@@ -411,20 +406,14 @@ fn assert_refused(rundir: &Path, why: &str) {
 #[test]
 fn an_unsafe_rundir_is_refused_and_the_device_does_not_open() {
     let scratch = Scratch::new("unsafe");
-    let shared = scratch.0.join("shared");
-    std::fs::create_dir(&shared).unwrap();
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let shared = make_dir(scratch.0.join("shared"), 0o777);
     assert_refused(&shared, "mode 0777");
 
-    let foreign = scratch.0.join("foreign");
-    std::fs::create_dir(&foreign).unwrap();
-    std::fs::set_permissions(&foreign, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let foreign = make_dir(scratch.0.join("foreign"), 0o700);
     std::os::unix::fs::chown(&foreign, Some(NOBODY), Some(NOBODY)).unwrap();
     assert_refused(&foreign, &format!("belongs to uid {NOBODY}"));
 
-    let good = scratch.0.join("good");
-    std::fs::create_dir(&good).unwrap();
-    std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let good = make_dir(scratch.0.join("good"), 0o700);
     let link = scratch.0.join("link");
     std::os::unix::fs::symlink(&good, &link).unwrap();
     assert_refused(&link, "symbolic link");
@@ -476,9 +465,7 @@ fn a_new_rundir_and_its_entries_are_private_whatever_the_umask() {
 #[test]
 fn stale_entries_are_swept_when_the_engine_starts() {
     let scratch = Scratch::new("sweep");
-    let rundir = scratch.0.join("dir");
-    std::fs::create_dir(&rundir).unwrap();
-    std::fs::set_permissions(&rundir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let rundir = make_dir(scratch.0.join("dir"), 0o700);
     let mut exited = Command::new("true").spawn().unwrap();
     exited.wait().unwrap();
     let dead = exited.id();
