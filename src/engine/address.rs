@@ -4,9 +4,10 @@
 //!   host, `host_tag << 8 | slot`, where `host_tag` is the last octet of the host's IPv4
 //!   address and `slot` (1..=255) is claimed in the per-host directory; and a GID
 //!   `fe80::0255:LLLL:AABB:CCDD` that carries the LID and the full IPv4 address.
-//! * The per-host directory (`UGDR_RUNDIR`, default `/dev/shm/ugdr-<uid>`, [`Directory`])
+//! * The per-host directory (`UGDR_RUNDIR`, default `/dev/shm/ugdr-<euid>`, [`Directory`])
 //!   holds one file per LID with the owner's pid and UCX worker address. It must be the
-//!   user's own (owner, mode 0700-like, not a symlink); entries of dead processes are swept.
+//!   user's own (owned by the euid, no group/other write, not a symlink); the entries of
+//!   dead processes are swept when a process claims its LID.
 //! * A peer on another host is asked over TCP (`UGDR_PORT`, default 18517, [`lookup`]): every
 //!   ugdr process listens there with SO_REUSEPORT and answers from its host's directory. A
 //!   GID gives the peer's address directly; a bare LID names the host `subnet | host_tag` on
