@@ -8,21 +8,6 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-/// Builds `tests/c/<name>.c` with `cc`, linked with `libs`.
-fn build(name: &str, libs: &[&str]) -> PathBuf {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
-    let exe = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let cc = Command::new(require("cc"))
-        .args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .args(libs)
-        .output()
-        .expect("cc");
-    assert!(cc.status.success(), "cc failed\n{}", text(&cc));
-    exe
-}
-
 /// Runs `exe` under ugdr; it must exit 0 and print "<name>: ok".
 fn run_under_ugdr(exe: &PathBuf, name: &str) {
     let mut cmd = Command::new(exe);
@@ -38,7 +23,7 @@ fn run_under_ugdr(exe: &PathBuf, name: &str) {
 
 #[test]
 fn c_program_with_verbs_inlines_runs_under_ugdr() {
-    let exe = build("rc_loopback", &["-libverbs"]);
+    let exe = build_c("rc_loopback", &["-libverbs"]);
     run_under_ugdr(&exe, "rc_loopback");
     // Without ugdr the same program finds no device (there is no RDMA hardware): the test
     // above really ran over ugdr.
@@ -60,6 +45,6 @@ fn c_program_with_verbs_inlines_runs_under_ugdr() {
 /// ugdr exported them, the first of them went to the real library and crashed (SIGSEGV).
 #[test]
 fn rare_entry_points_answer_for_ugdr_objects_as_for_a_device_without_the_feature() {
-    let exe = build("rare_exports", &["-libverbs", "-lrdmacm"]);
+    let exe = build_c("rare_exports", &["-libverbs", "-lrdmacm"]);
     run_under_ugdr(&exe, "rare_exports");
 }

@@ -4,23 +4,48 @@
 //!   host, `host_tag << 8 | slot`, where `host_tag` is the last octet of the host's IPv4
 //!   address and `slot` (1..=255) is claimed in the per-host directory; and a GID
 //!   `fe80::0255:LLLL:AABB:CCDD` that carries the LID and the full IPv4 address.
-//! * The per-host directory (`UGDR_RUNDIR`, default `/dev/shm/ugdr-<uid>`) holds one file per
-//!   LID with the owner's pid and UCX worker address; a LID whose owner died is reclaimed.
-//! * A peer on another host is asked over TCP (`UGDR_PORT`, default 18517): every ugdr process
-//!   listens there with SO_REUSEPORT and answers from its host's directory. A GID gives the
-//!   peer's address directly; a bare LID names the host `subnet | host_tag` on one of the
-//!   local IPv4 subnets.
+//! * The per-host directory (`UGDR_RUNDIR`, default `/dev/shm/ugdr-<euid>`, [`Directory`])
+//!   holds one file per LID with the owner's pid and UCX worker address. It must be the
+//!   user's own (owned by the euid, no group/other write, not a symlink); the entries of
+//!   dead processes are swept when a process claims its LID.
+//! * A peer on another host is asked over TCP (`UGDR_PORT`, default 18517, [`lookup`]): every
+//!   ugdr process listens there with SO_REUSEPORT and answers from its host's directory. A
+//!   GID gives the peer's address directly; a bare LID names the host `subnet | host_tag` on
+//!   one of the local IPv4 subnets.
+//! * Every worker address, from the directory or from a peer, passes
+//!   [`check_worker_address`] before it can reach UCX.
 
-use super::EngineError;
-use std::fs;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+mod directory;
+pub mod lookup;
+
+pub use directory::{Directory, DirectoryError, LidClaim, pid_alive};
+pub use lookup::{LookupError, bind_query_listener, query_port, serve_queries};
+
+use std::net::Ipv4Addr;
 
 pub const DEFAULT_QUERY_PORT: u16 = 18517;
 const GUID_MARK: [u8; 2] = [0x02, 0x55];
-const QUERY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The longest UCX worker address ugdr accepts (a worker with TCP and shared memory on a
+/// host with a few interfaces packs ~200 bytes).
+pub const MAX_WORKER_ADDRESS: usize = 8192;
+
+/// Whether `address` may be handed to `ucp_ep_create`. UCX unpacks an address without
+/// knowing its length and aborts the process (`ucs_assertv_always`) on an address format
+/// version it does not know, so this checks what can be checked without UCX: the length, and
+/// the format version in the low 4 bits of the first byte (0 and 1: UCX's address v1 and v2).
+/// It cannot tell a well-formed address from a forged one; authenticating the answer can.
+pub fn check_worker_address(address: &[u8]) -> Result<(), &'static str> {
+    const UCX_ADDRESS_VERSIONS: [u8; 2] = [0, 1];
+    match address.first() {
+        None => Err("empty worker address"),
+        Some(_) if address.len() > MAX_WORKER_ADDRESS => Err("worker address too long"),
+        Some(h) if !UCX_ADDRESS_VERSIONS.contains(&(h & 0x0f)) => {
+            Err("not a UCX worker address (unknown format version)")
+        }
+        Some(_) => Ok(()),
+    }
+}
 
 /// The IPv4 address that identifies this host, and the subnets it can reach directly.
 #[derive(Debug, Clone)]
@@ -121,126 +146,26 @@ pub fn parse_gid(gid: &[u8; 16]) -> Option<(Ipv4Addr, u16)> {
     Some((ip, lid))
 }
 
-/// The per-host directory: one file per LID naming its owner and UCX worker address.
-pub struct Directory {
-    dir: PathBuf,
-}
-
-/// A LID this process owns; the file goes away with [`Directory::release`].
-#[derive(Debug, Clone)]
-pub struct LidClaim {
-    pub lid: u16,
-    path: PathBuf,
-}
-
-impl Directory {
-    pub fn open() -> Result<Directory, EngineError> {
-        let dir = match std::env::var_os("UGDR_RUNDIR") {
-            Some(d) => PathBuf::from(d),
-            None => {
-                let uid = nix::unistd::getuid().as_raw();
-                let base = if Path::new("/dev/shm").is_dir() {
-                    "/dev/shm"
-                } else {
-                    "/tmp"
-                };
-                PathBuf::from(format!("{base}/ugdr-{uid}"))
-            }
-        };
-        fs::create_dir_all(&dir)?;
-        Ok(Directory { dir })
-    }
-
-    fn lid_path(&self, lid: u16) -> PathBuf {
-        self.dir.join(format!("lid-{lid:04x}"))
-    }
-
-    /// Claims a free LID on this host and publishes `worker_address` under it.
-    pub fn claim(&self, host_tag: u8, worker_address: &[u8]) -> Result<LidClaim, EngineError> {
-        let pid = std::process::id();
-        let content = format!("ugdr1 {pid} {}\n", hex_encode(worker_address));
-        let tmp = self
-            .dir
-            .join(format!(".claim-{pid}-{:x}", worker_address.len()));
-        fs::write(&tmp, content.as_bytes())?;
-        let first = (pid % 255) as u16;
-        let result = (0..255u16)
-            .map(|i| ((first + i) % 255) + 1)
-            .find_map(|slot| {
-                let lid = (u16::from(host_tag) << 8) | slot;
-                let path = self.lid_path(lid);
-                for _ in 0..2 {
-                    // hard_link is atomic and fails if the name exists: a complete file or none.
-                    match fs::hard_link(&tmp, &path) {
-                        Ok(()) => return Some(LidClaim { lid, path }),
-                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                            if owner_alive(&path) {
-                                return None;
-                            }
-                            let _ = fs::remove_file(&path); // stale: its owner died
-                        }
-                        Err(_) => return None,
-                    }
-                }
-                None
-            });
-        let _ = fs::remove_file(&tmp);
-        result.ok_or(EngineError::NoFreeLid)
-    }
-
-    /// The owner's pid and worker address published under `lid`, if the owner is alive.
-    pub fn lookup(&self, lid: u16) -> Option<(i32, Vec<u8>)> {
-        let path = self.lid_path(lid);
-        let text = fs::read_to_string(&path).ok()?;
-        let (pid, addr) = parse_entry(&text)?;
-        if !pid_alive(pid) {
-            return None;
-        }
-        Some((pid, addr))
-    }
-
-    pub fn release(&self, claim: &LidClaim) {
-        let _ = fs::remove_file(&claim.path);
-    }
-}
-
-fn parse_entry(text: &str) -> Option<(i32, Vec<u8>)> {
-    let mut parts = text.split_whitespace();
-    if parts.next()? != "ugdr1" {
-        return None;
-    }
-    let pid: i32 = parts.next()?.parse().ok()?;
-    let addr = hex_decode(parts.next()?)?;
-    Some((pid, addr))
-}
-
-fn owner_alive(path: &Path) -> bool {
-    match fs::read_to_string(path).ok().and_then(|t| parse_entry(&t)) {
-        Some((pid, _)) => pid_alive(pid),
-        None => true, // being written, or not ours: leave it
-    }
-}
-
-/// Whether process `pid` (on this host) still exists.
-pub fn pid_alive(pid: i32) -> bool {
-    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
-        Ok(()) => true,
-        Err(nix::errno::Errno::ESRCH) => false,
-        Err(_) => true, // EPERM: exists, owned by someone else
-    }
-}
-
+/// Lowercase hex, as the directory entries and the lookup protocol carry addresses.
 fn hex_encode(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The bytes of lowercase hex `s` (nothing else: no sign, no upper case, no odd length).
 fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    fn nibble(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        }
+    }
+    let s = s.as_bytes();
     if s.len() % 2 != 0 {
         return None;
     }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+    s.chunks(2)
+        .map(|p| Some(nibble(p[0])? << 4 | nibble(p[1])?))
         .collect()
 }
 
@@ -257,7 +182,7 @@ pub enum ResolveError {
     Remote {
         lid: u16,
         host: Ipv4Addr,
-        why: String,
+        why: LookupError,
     },
 }
 
@@ -292,85 +217,22 @@ pub fn resolve(
     }
     let mut last = ResolveError::NoRoute(lid);
     for host in hosts {
-        match query_remote(host, lid) {
+        match lookup::query(host, lid) {
             Ok(worker_address) => {
                 return Ok(Resolved {
                     worker_address,
                     local_pid: None,
                 });
             }
-            Err(why) => last = ResolveError::Remote { lid, host, why },
+            Err(why) => {
+                if why.is_bad_answer() {
+                    tracing::warn!("lid {lid:#06x}: {host} answered what ugdr refuses: {why}");
+                }
+                last = ResolveError::Remote { lid, host, why };
+            }
         }
     }
     Err(last)
-}
-
-/// The TCP port of the LID query service (`UGDR_PORT`, default 18517).
-pub fn query_port() -> u16 {
-    std::env::var("UGDR_PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(DEFAULT_QUERY_PORT)
-}
-
-fn query_remote(host: Ipv4Addr, lid: u16) -> Result<Vec<u8>, String> {
-    let addr = SocketAddr::new(IpAddr::V4(host), query_port());
-    let mut stream = TcpStream::connect_timeout(&addr, QUERY_TIMEOUT).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(QUERY_TIMEOUT))
-        .map_err(|e| e.to_string())?;
-    writeln!(stream, "UGDR-Q1 {lid:04x}").map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let mut parts = line.split_whitespace();
-    match parts.next() {
-        Some("OK") => parts
-            .next()
-            .and_then(hex_decode)
-            .ok_or_else(|| "malformed answer".to_string()),
-        Some("NO") => Err("no such port".to_string()),
-        _ => Err("not a ugdr peer".to_string()),
-    }
-}
-
-/// Binds the host's query port (shared by every ugdr process on the host).
-pub fn bind_query_listener() -> std::io::Result<TcpListener> {
-    use socket2::{Domain, Socket, Type};
-    let sock = Socket::new(Domain::IPV4, Type::STREAM, None)?;
-    sock.set_reuse_address(true)?;
-    sock.set_reuse_port(true)?;
-    sock.set_cloexec(true)?;
-    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), query_port());
-    sock.bind(&addr.into())?;
-    sock.listen(64)?;
-    Ok(sock.into())
-}
-
-/// Answers peers' LID queries from this host's directory, forever (a daemon thread).
-pub fn serve_queries(listener: TcpListener, dir: Directory) {
-    for conn in listener.incoming() {
-        let Ok(mut stream) = conn else { continue };
-        let _ = stream.set_read_timeout(Some(QUERY_TIMEOUT));
-        let _ = stream.set_write_timeout(Some(QUERY_TIMEOUT));
-        let mut line = String::new();
-        if BufReader::new(&stream).read_line(&mut line).is_err() {
-            continue;
-        }
-        let mut parts = line.split_whitespace();
-        let answer = match (
-            parts.next(),
-            parts.next().and_then(|l| u16::from_str_radix(l, 16).ok()),
-        ) {
-            (Some("UGDR-Q1"), Some(lid)) => match dir.lookup(lid) {
-                Some((_, addr)) => format!("OK {}\n", hex_encode(&addr)),
-                None => "NO\n".to_string(),
-            },
-            _ => "ERR\n".to_string(),
-        };
-        let _ = stream.write_all(answer.as_bytes());
-    }
 }
 
 #[cfg(test)]
@@ -417,27 +279,5 @@ mod tests {
             vec![Ipv4Addr::new(10, 0, 0, 6)]
         );
         assert!(narrow.candidates_for_tag(9).is_empty(), "outside a /30");
-    }
-
-    #[test]
-    fn directory_claims_unique_lids_and_reclaims_dead_owners() {
-        let dir = std::env::temp_dir().join(format!("ugdr-dir-test-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        let d = Directory { dir: dir.clone() };
-        let a = d.claim(7, b"worker-a").unwrap();
-        let b = d.claim(7, b"worker-b").unwrap();
-        assert_ne!(a.lid, b.lid);
-        assert_eq!(a.lid >> 8, 7);
-        let me = std::process::id() as i32;
-        assert_eq!(d.lookup(a.lid), Some((me, b"worker-a".to_vec())));
-        assert_eq!(d.lookup(b.lid), Some((me, b"worker-b".to_vec())));
-        // A file left by a process that no longer exists is not an answer, and is reclaimed.
-        let stale = (7u16 << 8) | 200;
-        fs::write(d.lid_path(stale), "ugdr1 2147483646 00ff\n").unwrap();
-        assert_eq!(d.lookup(stale), None);
-        d.release(&a);
-        assert_eq!(d.lookup(a.lid), None);
-        let _ = fs::remove_dir_all(&dir);
     }
 }

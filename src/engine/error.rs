@@ -7,8 +7,8 @@ pub enum EngineError {
     Transport(#[from] crate::ucp::Error),
     #[error("system error: {0}")]
     Os(i32),
-    #[error("every LID of this host is taken")]
-    NoFreeLid,
+    #[error("{message}")]
+    Directory { errno: i32, message: String },
     #[error("destination port not found")]
     Unreachable,
     #[error("the engine is shutting down")]
@@ -21,7 +21,7 @@ impl EngineError {
         match self {
             EngineError::Transport(t) => t.errno(),
             EngineError::Os(e) => *e,
-            EngineError::NoFreeLid => libc::ENOMEM,
+            EngineError::Directory { errno, .. } => *errno,
             EngineError::Unreachable => libc::EINVAL,
             EngineError::Stopped => libc::ENODEV,
         }

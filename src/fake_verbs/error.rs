@@ -52,9 +52,7 @@ impl From<crate::engine::EngineError> for VerbsError {
         match e {
             EngineError::Transport(t) => VerbsError::Transport(t),
             EngineError::Os(errno) => VerbsError::Os(errno),
-            EngineError::NoFreeLid => {
-                VerbsError::NoResources("no free LID slot in the per-host directory")
-            }
+            EngineError::Directory { errno, .. } => VerbsError::Os(errno),
             EngineError::Unreachable => VerbsError::Invalid("destination port not found"),
             EngineError::Stopped => VerbsError::NoDevice,
         }

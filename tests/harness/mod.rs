@@ -51,6 +51,22 @@ pub fn require(program: &str) -> String {
     }
 }
 
+/// Compiles `tests/c/<name>.c` with `cc -std=gnu11 -O2 -Wall -Wextra -Werror` and `libs`
+/// into the test target's scratch directory; the executable's path.
+pub fn build_c(name: &str, libs: &[&str]) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let exe = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let cc = Command::new(require("cc"))
+        .args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .args(libs)
+        .output()
+        .expect("cc");
+    assert_success(&cc, &format!("cc {}", src.display()));
+    exe
+}
+
 /// A command with only libugdr.so preloaded.
 pub fn preloaded(program: &str, args: &[&str]) -> Command {
     let mut c = Command::new(require(program));
