@@ -13,6 +13,5 @@ mod ibv_srq;
 pub(crate) mod layout;
 mod ops;
 mod passthrough;
-mod rdma_addrinfo;
 mod rdma_cm;
 mod ugdr_api;

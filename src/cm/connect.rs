@@ -30,12 +30,17 @@ pub const REJ_VENDOR_OPTION_NOT_SUPPORTED: u8 = 35;
 /// `RDMA_MAX_RESP_RES` / `RDMA_MAX_INIT_DEPTH`: "use the device maximum".
 const DEPTH_MAX: u8 = 255;
 
-/// The depth a side asks for: RDMA_MAX_* means the device maximum (capped by `cap`).
-fn depth(requested: Option<u8>, cap: u8) -> u8 {
-    match requested {
+/// The responder resources and initiator depth a side asks for: what `param` names, where
+/// it names RDMA_MAX_* (or there is no `param`) the caps.
+fn settle_depths(param: Option<&ConnParam>, caps: (u8, u8)) -> (u8, u8) {
+    let depth = |requested: Option<u8>, cap: u8| match requested {
         Some(d) if d != DEPTH_MAX => d,
         _ => cap,
-    }
+    };
+    (
+        depth(param.map(|p| p.responder_resources), caps.0),
+        depth(param.map(|p| p.initiator_depth), caps.1),
+    )
 }
 
 /// Our half of a connection: the port's LID and GID, and the QP (the id's, or the one the
@@ -116,8 +121,8 @@ impl CmId {
         max_rd_atom: u8,
     ) -> Result<(), CmError> {
         self.check_param(param, qp.is_some(), max_rd_atom)?;
-        let responder_resources = depth(param.map(|p| p.responder_resources), max_rd_atom);
-        let initiator_depth = depth(param.map(|p| p.initiator_depth), max_rd_atom);
+        let (responder_resources, initiator_depth) =
+            settle_depths(param, (max_rd_atom, max_rd_atom));
         let local = local_endpoint(param, qp, responder_resources, initiator_depth)?;
         let mut private = std::mem::take(&mut self.state().connect_prefix);
         if let Some(p) = param {
@@ -170,13 +175,12 @@ impl CmId {
     ) -> Result<(), CmError> {
         self.check_param(param, qp.is_some(), max_rd_atom)?;
         let mut params = self.qp_params();
-        params.responder_resources = depth(
-            param.map(|p| p.responder_resources),
-            params.responder_resources.min(max_rd_atom),
-        );
-        params.initiator_depth = depth(
-            param.map(|p| p.initiator_depth),
-            params.initiator_depth.min(max_rd_atom),
+        (params.responder_resources, params.initiator_depth) = settle_depths(
+            param,
+            (
+                params.responder_resources.min(max_rd_atom),
+                params.initiator_depth.min(max_rd_atom),
+            ),
         );
         if let Some(qp) = qp.filter(|_| !self.is_ud()) {
             params.drive(qp, &CONNECT_STATES)?;

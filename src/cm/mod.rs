@@ -15,18 +15,18 @@
 //!
 //! The files follow the roles the kernel splits between `addr.c`, `cma.c`, `cm.c` and
 //! `ucma.c`:
-//! * [`id`]: ids and addressing: port spaces, an id's phase, bind, address and route
+//! * `id.rs` — ids and addressing: port spaces, an id's phase, bind, address and route
 //!   resolution, the route an id reports, migrating and destroying ids.
-//! * [`event`]: the event channel: events, their queue behind a pollable fd, acknowledgement,
+//! * `event.rs` — the event channel: events, their queue behind a pollable fd, acknowledgement,
 //!   how a synchronous id's call ends.
-//! * [`listener`]: `rdma_listen`, the per-listener thread, each REQ becoming a new id.
-//! * [`connect`]: the application's side of the handshake: connect, accept, reject,
+//! * `listener.rs` — `rdma_listen`, the per-listener thread, each REQ becoming a new id.
+//! * `connect.rs` — the application's side of the handshake: connect, accept, reject,
 //!   establish, disconnect, their parameters and the QP work around them.
-//! * [`link`]: the CM connection to the peer: the per-connection thread and what REP, RTU,
+//! * `link.rs` — the CM connection to the peer: the per-connection thread and what REP, RTU,
 //!   REJ, DREQ, DREP or the connection closing do to the id.
-//! * [`qp`]: the attributes and states the CM drives an id's QP through.
-//! * [`sidr`]: UD ids, whose single REQ/REP exchange is service ID resolution.
-//! * [`wire`]: the messages on the CM connection; [`address`]: this host's addresses and
+//! * `qp.rs` — the attributes and states the CM drives an id's QP through.
+//! * `sidr.rs` — UD ids, whose single REQ/REP exchange is service ID resolution.
+//! * `wire.rs` — the messages on the CM connection; `address.rs` — this host's addresses and
 //!   routes.
 
 #![forbid(unsafe_code)]
