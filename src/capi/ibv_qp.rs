@@ -298,7 +298,7 @@ pub(crate) fn av_from(a: &ibv_ah_attr) -> AddressVector {
     }
 }
 
-fn av_to(a: &AddressVector) -> ibv_ah_attr {
+pub(crate) fn av_to(a: &AddressVector) -> ibv_ah_attr {
     ibv_ah_attr {
         grh: ibv_global_route {
             dgid: ibv_gid { raw: a.grh.dgid },
@@ -313,6 +313,43 @@ fn av_to(a: &AddressVector) -> ibv_ah_attr {
         static_rate: a.static_rate,
         is_global: u8::from(a.is_global),
         port_num: a.port_num,
+    }
+}
+
+/// `a` as an `ibv_qp_attr` (what `ibv_query_qp` reports and `rdma_init_qp_attr` returns).
+pub(crate) fn qp_attr_from(
+    qp_state: ibv_qp_state,
+    cur_qp_state: ibv_qp_state,
+    a: &QpAttributes,
+    cap: ibv_qp_cap,
+) -> ibv_qp_attr {
+    ibv_qp_attr {
+        qp_state,
+        cur_qp_state,
+        path_mtu: ibv_mtu(a.path_mtu),
+        path_mig_state: ibv_mig_state(a.path_mig_state),
+        qkey: a.qkey,
+        rq_psn: a.rq_psn,
+        sq_psn: a.sq_psn,
+        dest_qp_num: a.dest_qp_num,
+        qp_access_flags: a.access_flags,
+        cap,
+        ah_attr: av_to(&a.ah),
+        alt_ah_attr: av_to(&a.alt_ah),
+        pkey_index: a.pkey_index,
+        alt_pkey_index: a.alt_pkey_index,
+        en_sqd_async_notify: a.en_sqd_async_notify,
+        sq_draining: 0,
+        max_rd_atomic: a.max_rd_atomic,
+        max_dest_rd_atomic: a.max_dest_rd_atomic,
+        min_rnr_timer: a.min_rnr_timer,
+        port_num: a.port_num,
+        timeout: a.timeout,
+        retry_cnt: a.retry_cnt,
+        rnr_retry: a.rnr_retry,
+        alt_port_num: a.alt_port_num,
+        alt_timeout: a.alt_timeout,
+        rate_limit: 0,
     }
 }
 
@@ -456,34 +493,8 @@ pub unsafe extern "C" fn ibv_query_qp(
             max_recv_sge: q.caps.max_recv_sge,
             max_inline_data: q.caps.max_inline_data,
         };
-        let out = ibv_qp_attr {
-            qp_state: ibv_qp_state(state.to_raw()),
-            cur_qp_state: ibv_qp_state(state.to_raw()),
-            path_mtu: ibv_mtu(a.path_mtu),
-            path_mig_state: ibv_mig_state(a.path_mig_state),
-            qkey: a.qkey,
-            rq_psn: a.rq_psn,
-            sq_psn: a.sq_psn,
-            dest_qp_num: a.dest_qp_num,
-            qp_access_flags: a.access_flags,
-            cap,
-            ah_attr: av_to(&a.ah),
-            alt_ah_attr: av_to(&a.alt_ah),
-            pkey_index: a.pkey_index,
-            alt_pkey_index: a.alt_pkey_index,
-            en_sqd_async_notify: a.en_sqd_async_notify,
-            sq_draining: 0,
-            max_rd_atomic: a.max_rd_atomic,
-            max_dest_rd_atomic: a.max_dest_rd_atomic,
-            min_rnr_timer: a.min_rnr_timer,
-            port_num: a.port_num,
-            timeout: a.timeout,
-            retry_cnt: a.retry_cnt,
-            rnr_retry: a.rnr_retry,
-            alt_port_num: a.alt_port_num,
-            alt_timeout: a.alt_timeout,
-            rate_limit: 0,
-        };
+        let raw_state = ibv_qp_state(state.to_raw());
+        let out = qp_attr_from(raw_state, raw_state, &a, cap);
         // SAFETY: as rdma-core's ibv_query_qp, refresh the public state field (the QP may have
         // gone to ERR on its own); written only under ugdr's calls, read by the application.
         unsafe { (*shell.as_raw()).qp_base.state = ibv_qp_state(state.to_raw()) };

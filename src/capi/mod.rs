@@ -14,7 +14,6 @@ mod ibv_srq;
 pub(crate) mod layout;
 mod ops;
 mod passthrough;
-mod rdma_addrinfo;
 mod rdma_cm;
 mod rsocket;
 mod ugdr_api;

@@ -12,18 +12,45 @@
 //!
 //! Per connection one thread reads the CM connection; per listener one thread accepts. Both
 //! end when the id is destroyed (its sockets are shut down).
+//!
+//! The files follow the roles the kernel splits between `addr.c`, `cma.c`, `cm.c` and
+//! `ucma.c`:
+//! * `id.rs` — ids and addressing: port spaces, an id's phase, bind, address and route
+//!   resolution, the route an id reports, migrating and destroying ids.
+//! * `event.rs` — the event channel: events, their queue behind a pollable fd, acknowledgement,
+//!   how a synchronous id's call ends.
+//! * `listener.rs` — `rdma_listen`, the per-listener thread, each REQ becoming a new id.
+//! * `connect.rs` — the application's side of the handshake: connect, accept, reject,
+//!   establish, disconnect, their parameters and the QP work around them.
+//! * `link.rs` — the CM connection to the peer: the per-connection thread and what REP, RTU,
+//!   REJ, DREQ, DREP or the connection closing do to the id.
+//! * `qp.rs` — the attributes and states the CM drives an id's QP through.
+//! * `sidr.rs` — UD ids, whose single REQ/REP exchange is service ID resolution.
+//! * `wire.rs` — the messages on the CM connection; `address.rs` — this host's addresses and
+//!   routes.
 
 #![forbid(unsafe_code)]
 
 mod address;
+mod connect;
+mod event;
 mod id;
+mod link;
+mod listener;
+mod qp;
+mod sidr;
 pub mod wire;
 
 pub use address::{is_local, route_source};
-pub use id::{
-    CmEvent, CmId, EventChannel, EventKind, EventParam, PRIVATE_DATA_ACCEPT, PRIVATE_DATA_REJECT,
-    Phase, PortSpace, QpParams,
+pub use connect::{
+    PRIVATE_DATA_ACCEPT, PRIVATE_DATA_REJECT, REJ_CONSUMER_DEFINED, REJ_VENDOR_OPTION_NOT_SUPPORTED,
 };
+pub use event::{CmEvent, ConnParam, EventChannel, EventKind, request_result, sync_call_result};
+pub use id::{
+    CmId, DEFAULT_PKEY, HOP_LIMIT, PACKET_LIFE_TIME, PATH_MTU_4096, Phase, PortSpace, Route,
+};
+pub use qp::{IdQp, QpParams};
+pub use sidr::UDP_QKEY;
 
 use std::os::raw::c_int;
 
@@ -71,4 +98,13 @@ impl From<crate::fake_verbs::VerbsError> for CmError {
             other => CmError::Os(other.errno()),
         }
     }
+}
+
+/// Starts one of the CM's threads (address resolution, a listener, a connection).
+fn spawn_cm_thread(name: &str, f: impl FnOnce() + Send + 'static) -> Result<(), CmError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map(drop)
+        .map_err(|e| CmError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))
 }

@@ -2,7 +2,7 @@
 //! `rdma_addrinfo` (RC on RDMA_PS_TCP for stream sockets, UD on RDMA_PS_UDP for datagrams), in
 //! memory from `malloc` so the chain is freed field by field as librdmacm does.
 
-use super::boundary::{ffi_boundary, set_errno};
+use crate::capi::boundary::{ffi_boundary, set_errno};
 use crate::sys::*;
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_int};

@@ -1,0 +1,25 @@
+//! What librdmacm offers and ugdr's fabric has not: multicast and ECE (enhanced connection
+//! establishment). Each export fails with EOPNOTSUPP.
+
+use super::{cm_boundary, fail};
+use crate::sys::*;
+use std::os::raw::{c_int, c_void};
+
+macro_rules! not_offered {
+    ($name:ident ( $($arg:ident : $ty:ty),* )) => {
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+            cm_boundary!(stringify!($name), {
+                $(let _ = $arg;)*
+                tracing::debug!(concat!(stringify!($name), ": not offered by ugdr"));
+                fail(libc::EOPNOTSUPP)
+            })
+        }
+    };
+}
+
+not_offered!(rdma_join_multicast(id: *mut rdma_cm_id, addr: *mut sockaddr, context: *mut c_void));
+not_offered!(rdma_join_multicast_ex(id: *mut rdma_cm_id, attr: *mut c_void, context: *mut c_void));
+not_offered!(rdma_leave_multicast(id: *mut rdma_cm_id, addr: *mut sockaddr));
+not_offered!(rdma_set_local_ece(id: *mut rdma_cm_id, ece: *mut ibv_ece));
+not_offered!(rdma_get_remote_ece(id: *mut rdma_cm_id, ece: *mut ibv_ece));

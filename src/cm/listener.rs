@@ -1,0 +1,153 @@
+//! Listening ids (`rdma_listen`; the kernel's cma listen and the IB CM's REQ handler): the TCP
+//! listener that holds the port, the per-listener thread that accepts CM connections, and the
+//! per-request work that reads the REQ, applies the backlog and raises CONNECT_REQUEST with a
+//! new id, whose connection the same thread then serves.
+
+use super::connect::REJ_CONSUMER_DEFINED;
+use super::event::{CmEvent, ConnParam, EventChannel, EventKind};
+use super::id::{CmId, Phase, bind_socket};
+use super::link::{send_message, serve_link};
+use super::wire::Message;
+use super::{CmError, spawn_cm_thread};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a passive side waits for the REQ on a fresh connection.
+const REQ_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl CmId {
+    /// `rdma_listen`. An unbound id listens on every address, on an ephemeral port.
+    pub fn listen(self: &Arc<Self>, backlog: i32) -> Result<(), CmError> {
+        let mut s = self.state();
+        match s.phase {
+            Phase::Idle => {
+                let sock = bind_socket(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
+                s.local = sock.local_addr()?.as_socket();
+                s.socket = Some(sock);
+            }
+            Phase::Bound => {}
+            Phase::Listening => return Ok(()),
+            _ => return Err(CmError::Invalid("id is not bound")),
+        }
+        // ucma: a backlog of 0 or less (or too large) means the maximum, 1024.
+        let backlog = if (1..=1024).contains(&backlog) {
+            backlog as usize
+        } else {
+            1024
+        };
+        let sock = s.socket.take().ok_or(CmError::Invalid("id is not bound"))?;
+        if let Err(e) = sock.listen(backlog as i32) {
+            s.socket = Some(sock);
+            return Err(e.into());
+        }
+        let listener = Arc::new(TcpListener::from(sock));
+        s.listener = Some(Arc::clone(&listener));
+        s.backlog = backlog;
+        s.phase = Phase::Listening;
+        drop(s);
+        let id = Arc::clone(self);
+        spawn_cm_thread("ugdr-cm-listen", move || serve_listener(id, listener))
+    }
+
+    /// The application took one of this listener's requests off its channel.
+    pub(super) fn request_taken(&self) {
+        let mut s = self.state();
+        s.pending_requests = s.pending_requests.saturating_sub(1);
+    }
+}
+
+/// Accepts CM connections for a listening id until it is destroyed.
+fn serve_listener(listen_id: Arc<CmId>, listener: Arc<TcpListener>) {
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if listen_id.is_destroyed() {
+                    return;
+                }
+                let id = Arc::clone(&listen_id);
+                if let Err(e) = spawn_cm_thread("ugdr-cm-conn", move || serve_request(id, stream)) {
+                    tracing::warn!("cm: cannot serve a connection request: {e}");
+                }
+            }
+            Err(e) => {
+                if listen_id.is_destroyed() {
+                    return;
+                }
+                tracing::debug!("cm: accept: {e}");
+                // Out of fds or similar: back off instead of spinning.
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// Reads a REQ on a fresh connection, raises CONNECT_REQUEST with a new id, then serves the
+/// connection for that id.
+fn serve_request(listen_id: Arc<CmId>, stream: TcpStream) {
+    let _ = stream.set_read_timeout(Some(REQ_TIMEOUT));
+    let Ok(Message::Req {
+        endpoint,
+        private_data,
+        ..
+    }) = Message::read_from(&stream)
+    else {
+        return;
+    };
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_nodelay(true);
+    let (channel, full) = {
+        let mut s = listen_id.state();
+        if s.phase != Phase::Listening || listen_id.is_destroyed() {
+            return;
+        }
+        let full = s.pending_requests >= s.backlog;
+        if !full {
+            s.pending_requests += 1;
+        }
+        (listen_id.channel(), full)
+    };
+    if full {
+        let _ = send_message(
+            &stream,
+            &Message::Rej {
+                reason: REJ_CONSUMER_DEFINED,
+                private_data: Vec::new(),
+            },
+        );
+        return;
+    }
+    // A synchronous listener's requests become synchronous ids, each with its own channel.
+    let child_channel = if channel.is_sync() {
+        match EventChannel::new(true) {
+            Ok(c) => c,
+            Err(_) => return,
+        }
+    } else {
+        Arc::clone(&channel)
+    };
+    let child = CmId::new(child_channel, listen_id.port_space, listen_id.qp_type);
+    let link = Arc::new(stream);
+    {
+        let mut s = child.state();
+        s.phase = Phase::RequestReceived;
+        s.local = link.local_addr().ok();
+        s.remote = link.peer_addr().ok();
+        s.link = Some(Arc::clone(&link));
+        s.responder_resources = endpoint.initiator_depth;
+        s.initiator_depth = endpoint.responder_resources;
+        s.retry_count = endpoint.retry_count;
+        s.rnr_retry_count = endpoint.rnr_retry_count;
+        s.peer = Some(endpoint.clone());
+        s.listen_id = Some(Arc::clone(&listen_id));
+    }
+    let param = ConnParam::from_peer(&endpoint, &private_data, listen_id.request_private_len());
+    channel.push(CmEvent {
+        id: Arc::clone(&child),
+        listen_id: Some(listen_id),
+        kind: EventKind::ConnectRequest,
+        status: 0,
+        param,
+    });
+    serve_link(child, link);
+}
