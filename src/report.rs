@@ -37,6 +37,21 @@ pub fn describe(engine: &Engine) -> String {
             let _ = writeln!(out, "lid queries:   unavailable ({e})");
         }
     }
+    let direct = if !crate::engine::direct::enabled() {
+        "off (UGDR_DIRECT=off): RDMA WRITE/READ on this host go through messages".to_string()
+    } else {
+        match (&engine.memory, crate::engine::direct::self_check()) {
+            (Some(_), Ok(())) => "on: RDMA WRITE/READ to same-host peers of this user are \
+                 copied by the requester (peers must be dumpable or the requester must have \
+                 CAP_SYS_PTRACE; otherwise messages)"
+                .to_string(),
+            (None, _) => "unavailable (no memfd): RDMA WRITE/READ go through messages".into(),
+            (Some(_), Err(e)) => {
+                format!("not permitted ({e}): RDMA WRITE/READ go through messages")
+            }
+        }
+    };
+    let _ = writeln!(out, "direct path:   {direct}");
     let _ = writeln!(
         out,
         "ucx:           {}",

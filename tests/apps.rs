@@ -287,6 +287,15 @@ fn ugdr_info_shows_the_port() {
         "{}",
         text(&out)
     );
+    assert!(s.contains("direct path:   on:"), "{}", text(&out));
+    let mut off = std::process::Command::new(ugdr_bin());
+    off.arg("info").env("UGDR_DIRECT", "off");
+    let out = run(off, "ugdr info (direct off)", Duration::from_secs(30));
+    assert!(
+        stdout(&out).contains("direct path:   off (UGDR_DIRECT=off)"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]

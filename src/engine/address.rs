@@ -191,6 +191,8 @@ pub enum ResolveError {
 pub struct Resolved {
     pub worker_address: Vec<u8>,
     pub local_pid: Option<i32>,
+    /// The port's LID.
+    pub lid: u16,
 }
 
 /// Finds the UCX worker address of the port `lid` (or the one `gid` names).
@@ -213,6 +215,7 @@ pub fn resolve(
         return Ok(Resolved {
             worker_address,
             local_pid: Some(pid),
+            lid,
         });
     }
     let mut last = ResolveError::NoRoute(lid);
@@ -222,6 +225,7 @@ pub fn resolve(
                 return Ok(Resolved {
                     worker_address,
                     local_pid: None,
+                    lid,
                 });
             }
             Err(why) => {

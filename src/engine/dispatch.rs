@@ -45,6 +45,10 @@ pub trait MessageReceiver: Send + Sync {
 pub struct Peer {
     pub endpoint: Arc<Endpoint>,
     pub qpn: u32,
+    /// The LID of the peer's port.
+    pub lid: u16,
+    /// Its process's published memory, when it is on this host and may be mapped here.
+    pub memory: Option<Arc<super::direct::PeerMemory>>,
 }
 
 /// QPs that owe their peer an ACK (by QP number), flushed by the engine when the application

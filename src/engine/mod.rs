@@ -18,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 pub mod address;
+pub mod direct;
 mod dispatch;
 mod error;
 pub mod wire;
@@ -30,7 +31,7 @@ use address::{Directory, HostNetwork, LidClaim, Resolved};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub struct Engine {
@@ -43,7 +44,9 @@ pub struct Engine {
     /// Endpoints by remote worker address; a failed endpoint is replaced on next use.
     endpoints: Mutex<HashMap<Vec<u8>, PeerProcess>>,
     qps: DashMap<u32, Arc<dyn MessageReceiver>, FxBuildHasher>,
-    next_qpn: AtomicU32,
+    next_qpn: Mutex<u32>,
+    /// What this process publishes for same-host peers' direct RDMA (None: direct path off).
+    pub memory: Option<direct::LocalMemory>,
     pub query_service: Result<u16, String>,
     stopping: Arc<AtomicBool>,
     /// Counts `ibv_poll_cq` progress calls, so the progress thread can stand aside while the
@@ -57,6 +60,8 @@ pub struct Engine {
 struct PeerProcess {
     endpoint: Arc<Endpoint>,
     local_pid: Option<i32>,
+    /// Its published memory, mapped here (same host, direct path permitted).
+    memory: Option<Arc<direct::PeerMemory>>,
 }
 
 static ENGINE: OnceLock<Result<Engine, EngineError>> = OnceLock::new();
@@ -145,6 +150,13 @@ impl Engine {
             .spawn(move || progress_loop(&progress_worker, &stop, &polls))
             .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         let seed = (std::process::id() & 0xffff) << 8;
+        let memory = if direct::enabled() {
+            direct::LocalMemory::new(lid)
+                .inspect_err(|e| tracing::debug!("direct path unavailable: {e}"))
+                .ok()
+        } else {
+            None
+        };
         tracing::debug!(
             "engine up: lid {lid:#06x} ip {} address {} bytes",
             network.ipv4,
@@ -159,7 +171,8 @@ impl Engine {
             claim,
             endpoints: Mutex::new(HashMap::new()),
             qps: DashMap::default(),
-            next_qpn: AtomicU32::new(seed.max(0x100)),
+            next_qpn: Mutex::new(seed.max(0x100)),
+            memory,
             query_service,
             stopping,
             app_polls,
@@ -175,6 +188,7 @@ impl Engine {
             return;
         }
         self.directory.release(&self.claim);
+
         {
             // What a HCA would still do for this process: acknowledge what it delivered.
             let locked = self.worker.lock();
@@ -198,12 +212,26 @@ impl Engine {
         std::mem::forget(self.worker.lock());
     }
 
-    /// A QP number not in use in this process (24 bits, never 0 or 1).
+    /// A QP number not in use in this process (24 bits, never 0 or 1), holding a slot of
+    /// the direct-access table when one is free.
     pub fn allocate_qpn(&self) -> u32 {
+        let mut next = self.next_qpn.lock().unwrap_or_else(|p| p.into_inner());
+        let mut tries = 0;
         loop {
-            let n = self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
-            if n > 1 && !self.qps.contains_key(&n) {
-                return n;
+            let n = *next & 0x00ff_ffff;
+            *next = next.wrapping_add(1);
+            if n <= 1 || self.qps.contains_key(&n) {
+                continue;
+            }
+            tries += 1;
+            match &self.memory {
+                Some(m) if m.qp_slot_free(n) => {
+                    m.claim_qp_slot(n);
+                    return n;
+                }
+                // Every slot taken: this QP goes without the direct path.
+                Some(_) if tries <= 2 * crate::shared_memory::QP_SLOTS => {}
+                _ => return n,
             }
         }
     }
@@ -218,9 +246,13 @@ impl Engine {
         self.qps.get(&qpn).map(|q| Arc::clone(q.value()))
     }
 
-    /// Messages for `qpn` are dropped from now on.
+    /// Messages for `qpn` are dropped from now on, and its direct-access slot is free.
     pub fn unregister_qp(&self, qpn: u32) {
         self.qps.remove(&qpn);
+        if let Some(m) = &self.memory {
+            m.withdraw_qp(qpn);
+            m.release_qp_slot(qpn);
+        }
     }
 
     /// Finds the worker address of the port named by `dlid` (or `dgid`). Blocking (it may
@@ -247,6 +279,8 @@ impl Engine {
             return Ok(Peer {
                 endpoint: Arc::clone(&p.endpoint),
                 qpn: remote_qpn,
+                lid: remote.lid,
+                memory: p.memory.clone(),
             });
         }
         let ep = Endpoint::connect(
@@ -255,16 +289,27 @@ impl Engine {
             remote.local_pid.is_none(),
             Box::new(endpoint_failed),
         )?;
+        let memory = remote.local_pid.and_then(|pid| {
+            direct::PeerMemory::open(pid, remote.lid)
+                .inspect_err(|e| {
+                    tracing::debug!("pid {pid}: direct path not permitted, using messages: {e}")
+                })
+                .ok()
+                .map(Arc::new)
+        });
         eps.insert(
             remote.worker_address.clone(),
             PeerProcess {
                 endpoint: Arc::clone(&ep),
                 local_pid: remote.local_pid,
+                memory: memory.clone(),
             },
         );
         Ok(Peer {
             endpoint: ep,
             qpn: remote_qpn,
+            lid: remote.lid,
+            memory,
         })
     }
 
@@ -288,6 +333,11 @@ impl Engine {
                 },
             );
         }
+    }
+
+    /// This process's published memory, if the engine runs and the direct path is on.
+    pub fn local_memory() -> Option<&'static direct::LocalMemory> {
+        Engine::running().and_then(|e| e.memory.as_ref())
     }
 
     /// UCX's description of this process's worker: the transports it offers peers.

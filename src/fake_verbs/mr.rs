@@ -3,12 +3,13 @@
 use super::VerbsError;
 use super::pd::ProtectionDomain;
 use super::work::Sge;
+use crate::engine::Engine;
+use crate::engine::direct::{PublishedRegion, RegionView};
 use crate::ucp::{AppRegion, AppSpan};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex};
 
 /// `enum ibv_access_flags` bits.
 pub const ACCESS_LOCAL_WRITE: u32 = 1;
@@ -37,19 +38,41 @@ pub struct MemoryRegion {
     pub access: u32,
     pub lkey: u32,
     pub rkey: u32,
+    /// Where same-host peers see it (the direct path), while registered.
+    published: Mutex<Option<PublishedRegion>>,
+    /// The slot of the direct-access table its rkey names (held until deregistration).
+    slot: Option<u16>,
 }
 
-/// Every live MR of the process, by key (lkey == rkey).
-static REGIONS: LazyLock<DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>> =
+/// Every live MR of the process, by lkey (local SGEs) and by rkey (remote requests).
+static BY_LKEY: LazyLock<DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>> =
     LazyLock::new(DashMap::default);
-static NEXT_KEY: AtomicU32 = AtomicU32::new(0);
+static BY_RKEY: LazyLock<DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>> =
+    LazyLock::new(DashMap::default);
 
-fn next_key() -> u32 {
+/// Random bits from the kernel (keys nobody can predict, as a HCA's key generator).
+fn random_u32() -> u32 {
+    let mut b = [0u8; 4];
+    if getrandom::fill(&mut b).is_err() {
+        // No entropy source: still unique, just predictable.
+        static FALLBACK: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+        return FALLBACK
+            .fetch_add(0x9e37_79b1, std::sync::atomic::Ordering::Relaxed)
+            .rotate_left(7);
+    }
+    u32::from_ne_bytes(b)
+}
+
+/// A key not in use in `map`, never 0. With a direct-access `slot`, its low bits name the
+/// slot (so a peer finds the published region from the rkey alone) and the rest is random.
+fn unused_key(map: &DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>, slot: Option<u16>) -> u32 {
     loop {
-        // Spread keys so that stale or guessed keys rarely name a live MR; never 0.
-        let n = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
-        let key = n.wrapping_mul(0x9e37_79b1) ^ std::process::id().rotate_left(16);
-        if key != 0 && !REGIONS.contains_key(&key) {
+        let r = random_u32();
+        let key = match slot {
+            Some(s) => (r << 12) | u32::from(s),
+            None => r,
+        };
+        if key != 0 && !map.contains_key(&key) {
             return key;
         }
     }
@@ -86,23 +109,59 @@ impl MemoryRegion {
         {
             return Err(VerbsError::Invalid("memory region wraps the address space"));
         }
-        let key = next_key();
+        let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
+        let memory = Engine::local_memory().filter(|_| remote);
+        let slot = memory.and_then(|m| m.allocate_region_slot());
+        let lkey = unused_key(&BY_LKEY, None);
+        let rkey = unused_key(&BY_RKEY, slot);
+        let published = match (memory, slot) {
+            (Some(m), Some(s)) => m.publish_region(
+                s,
+                &RegionView {
+                    rkey,
+                    pd: pd.id,
+                    access,
+                    iova,
+                    addr: region.addr(),
+                    len: region.len(),
+                },
+            ),
+            _ => None,
+        };
         let mr = Arc::new(MemoryRegion {
             pd: Arc::clone(pd),
             region,
             iova,
             access,
-            lkey: key,
-            rkey: key,
+            lkey,
+            rkey,
+            published: Mutex::new(published),
+            slot,
         });
         pd.adopt_child();
-        REGIONS.insert(key, Arc::clone(&mr));
+        BY_LKEY.insert(lkey, Arc::clone(&mr));
+        BY_RKEY.insert(rkey, Arc::clone(&mr));
         Ok(mr)
     }
 
-    /// Revokes the keys at once; operations already holding the MR finish.
+    /// Revokes the keys at once; operations already holding the MR finish, and no same-host
+    /// peer reads or writes it directly once this returns.
     pub fn deregister(&self) {
-        REGIONS.remove(&self.lkey);
+        BY_LKEY.remove(&self.lkey);
+        BY_RKEY.remove(&self.rkey);
+        let published = self
+            .published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(m) = Engine::local_memory() {
+            if let Some(p) = published {
+                m.withdraw_region(p);
+            }
+            if let Some(s) = self.slot {
+                m.free_region_slot(s);
+            }
+        }
         self.pd.release_child();
     }
 }
@@ -116,7 +175,7 @@ pub fn remote_span(
     len: u64,
     access: u32,
 ) -> Option<AppSpan> {
-    let mr = REGIONS.get(&rkey).map(|r| Arc::clone(r.value()))?;
+    let mr = BY_RKEY.get(&rkey).map(|r| Arc::clone(r.value()))?;
     if !Arc::ptr_eq(&mr.pd, pd) || mr.access & access != access {
         return None;
     }
@@ -137,7 +196,7 @@ pub fn local_spans(
         if sge.length == 0 {
             continue;
         }
-        let mr = REGIONS.get(&sge.lkey).map(|r| Arc::clone(r.value()))?;
+        let mr = BY_LKEY.get(&sge.lkey).map(|r| Arc::clone(r.value()))?;
         if !Arc::ptr_eq(&mr.pd, pd) {
             return None;
         }

@@ -3,18 +3,23 @@
 use super::VerbsError;
 use super::context::DeviceContext;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 pub struct ProtectionDomain {
     pub context: Arc<DeviceContext>,
+    /// Unique in the process: names the PD in what same-host peers see (the direct path).
+    pub id: u32,
     children: AtomicUsize,
 }
+
+static NEXT_ID: AtomicU32 = AtomicU32::new(1);
 
 impl ProtectionDomain {
     pub fn new(context: Arc<DeviceContext>) -> Arc<ProtectionDomain> {
         context.adopt_child();
         Arc::new(ProtectionDomain {
             context,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             children: AtomicUsize::new(0),
         })
     }

@@ -7,6 +7,7 @@ use super::super::qp_state::QpState;
 use super::super::work::{WcOpcode, WcStatus, WorkCompletion};
 use super::QueuePair;
 use super::queues::{Deferred, Queues, release_kept};
+use crate::engine::Engine;
 use crate::engine::wire::{self, Header, Nak};
 use crate::ucp::{AmPayload, LockedWorker};
 use std::sync::Arc;
@@ -30,6 +31,10 @@ impl QueuePair {
     /// Completes every outstanding WR with IBV_WC_WR_FLUSH_ERR, in order (sends after any
     /// already-finished ones, then receives).
     pub(super) fn flush(&self, q: &mut Queues) {
+        // Same-host peers stop reaching this QP's memory before anything is flushed.
+        if let Some(memory) = Engine::local_memory() {
+            memory.withdraw_qp(self.qp_num);
+        }
         self.release_send_completions(q);
         while let Some(e) = q.sq.pop_front() {
             let status = e.outcome.unwrap_or(WcStatus::WrFlushErr);

@@ -10,7 +10,8 @@ use super::super::{VerbsError, device};
 use super::queues::{DataMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
 use crate::engine::wire::{self, Header, Op};
-use crate::ucp::{Endpoint, LockedWorker, SendPayload, SendState};
+use crate::ucp::{AppSpan, Endpoint, LockedWorker, SendPayload, SendState};
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 impl QueuePair {
@@ -125,6 +126,9 @@ impl QueuePair {
             return Err(VerbsError::Invalid(
                 "inline is for SEND and RDMA WRITE only",
             ));
+        }
+        if let Some(done) = self.try_direct(q, &req, op, length) {
+            return Ok(done);
         }
         let seq = q.next_send_seq;
         q.next_send_seq = seq.wrapping_add(1);
@@ -308,5 +312,56 @@ impl QueuePair {
             }
             self.release_send_completions(q);
         });
+    }
+
+    /// The same-host direct path (docs/design.md): an RC WRITE (without immediate) or READ to
+    /// a peer whose memory is mapped here is copied now, and completes now. Taken only when
+    /// nothing posted earlier is still on its way as a message, so nothing overtakes what the
+    /// responder must see first; None leaves the WR to the message path (which then gives the
+    /// authoritative outcome of anything the direct checks refused).
+    fn try_direct(
+        &self,
+        q: &mut Queues,
+        req: &SendRequest,
+        op: Op,
+        length: u64,
+    ) -> Option<Option<DataMessage>> {
+        let write = match (op, req.opcode) {
+            (Op::Write, SendOpcode::RdmaWrite) => true,
+            (Op::ReadRequest, _) => false,
+            _ => return None,
+        };
+        if self.qp_type != QpType::Rc || length == 0 || q.sq.iter().any(|e| e.outcome.is_none()) {
+            return None;
+        }
+        let peer = q.peer.as_ref()?;
+        let memory = peer.memory.as_ref()?;
+        let spans = match &req.inline_data {
+            Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
+            None => local_spans(&self.pd, &req.sges, !write)?,
+        };
+        memory
+            .access(
+                write,
+                self.local_lid,
+                self.qp_num,
+                peer.qpn,
+                req.rkey,
+                req.remote_addr,
+                &spans,
+            )
+            .ok()?;
+        q.sq.push_back(SendEntry {
+            wr_id: req.wr_id,
+            opcode: req.opcode.completion_opcode(),
+            signaled: req.signaled || self.sq_sig_all,
+            // Sorts with the last message sent: ACKs and NAKs never name it.
+            seq: q.next_send_seq.wrapping_sub(1),
+            byte_len: length as u32,
+            outcome: Some(WcStatus::Success),
+            response_into: None,
+        });
+        self.release_send_completions(q);
+        Some(None)
     }
 }

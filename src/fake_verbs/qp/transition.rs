@@ -9,6 +9,7 @@ use super::super::{VerbsError, device};
 use super::attributes::{apply_attrs, check_values};
 use super::queues::{Queues, release_kept};
 use super::{ModifyRequest, Peer, QpAttributes, QueuePair};
+use crate::engine::Engine;
 use crate::ucp::LockedWorker;
 use std::sync::Arc;
 
@@ -64,7 +65,30 @@ impl QueuePair {
         if next != cur || next == QpState::Reset || next == QpState::Err {
             self.enter(q, next, peer);
         }
+        self.publish_for_direct(q);
         Ok(q.state)
+    }
+
+    /// Tells same-host peers (the direct path) whether, and by whom, this QP's memory may be
+    /// reached now: an RC QP with a peer, in a state whose responder executes requests.
+    fn publish_for_direct(&self, q: &Queues) {
+        let Some(memory) = Engine::local_memory() else {
+            return;
+        };
+        match (&q.peer, q.state) {
+            (Some(peer), QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
+                if self.qp_type == QpType::Rc =>
+            {
+                memory.publish_qp(
+                    self.qp_num,
+                    self.pd.id,
+                    q.attrs.access_flags,
+                    peer.lid,
+                    peer.qpn,
+                );
+            }
+            _ => memory.withdraw_qp(self.qp_num),
+        }
     }
 
     pub(super) fn enter(self: &Arc<Self>, q: &mut Queues, next: QpState, peer: Option<Peer>) {

@@ -1,0 +1,428 @@
+//! The same-host one-sided path: an RDMA WRITE or READ to a peer process on this host is a
+//! `memcpy` by the requester into (or out of) the peer's registered pages, mapped here, with
+//! no message and nothing asked of the peer's CPU (docs/design.md).
+//!
+//! Each process publishes, in its [`Table`], the memory regions peers may reach (rkey, PD,
+//! access, range, the memfd holding the pages) and the queue pairs they may reach them through
+//! (state, PD, access flags, the one peer LID/QPN connected to it). A requester checks both
+//! before touching memory, exactly the checks the responder makes on the message path; any
+//! doubt (not published, stale, busy, refused) falls back to the message path, which then
+//! gives the authoritative outcome (the NAK, the event, the state change).
+//!
+//! Fencing (`ibv_dereg_mr`, QP state changes, `ibv_destroy_qp`): a requester holds its target
+//! QP slot's lock (its pid) while it checks and copies. The owner first makes the slot invalid
+//! (odd `seq`), then waits until no lock that could have seen the old value is held. Both
+//! sides use sequentially consistent operations in opposite order (lock then read `seq`;
+//! write `seq` then read locks), so either the requester sees the withdrawal or the owner sees
+//! the lock: once a withdrawal returns, nothing more lands.
+
+use super::Engine;
+use crate::shared_memory::{Backing, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, Table};
+use crate::ucp::AppSpan;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// `IBV_ACCESS_REMOTE_WRITE` / `_READ` as published in the slots.
+pub const REMOTE_WRITE: u32 = 1 << 1;
+pub const REMOTE_READ: u32 = 1 << 2;
+
+/// Whether the direct path is on (`UGDR_DIRECT=off` turns it off).
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !matches!(std::env::var("UGDR_DIRECT").as_deref(), Ok("off" | "0")))
+}
+
+/// Whether this process may map a peer's published memory the way the direct path does: it
+/// maps its own table through `/proc/self/fd` (the same kernel checks, against itself; a
+/// sandbox that forbids `/proc/<pid>/fd` fails here).
+pub fn self_check() -> std::io::Result<()> {
+    let lid = Engine::running()
+        .map(|e| e.lid)
+        .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENODEV))?;
+    PeerTable::open(std::process::id() as i32).and_then(|t| {
+        if t.lid() == lid {
+            Ok(())
+        } else {
+            Err(std::io::Error::from_raw_os_error(libc::ESRCH))
+        }
+    })
+}
+
+/// How often the direct path was taken, and how often it fell back to messages.
+#[derive(Default)]
+pub struct DirectCounters {
+    pub writes: AtomicU64,
+    pub reads: AtomicU64,
+    pub fallbacks: AtomicU64,
+}
+
+pub static COUNTERS: DirectCounters = DirectCounters {
+    writes: AtomicU64::new(0),
+    reads: AtomicU64::new(0),
+    fallbacks: AtomicU64::new(0),
+};
+
+/// This process's published memory (owner side).
+pub struct LocalMemory {
+    table: Table,
+    /// Backings of registered memory, by first address; dropped when no MR uses them and the
+    /// application no longer maps them.
+    backings: Mutex<Vec<Arc<Backing>>>,
+    mr_slots: Mutex<SlotAllocator>,
+}
+
+struct SlotAllocator {
+    free: Vec<u16>,
+}
+
+/// A memory region as published: the slot it holds, and the pages it keeps shared.
+pub struct PublishedRegion {
+    slot: usize,
+    _backing: Arc<Backing>,
+}
+
+/// What a region publishes.
+pub struct RegionView {
+    pub rkey: u32,
+    pub pd: u32,
+    pub access: u32,
+    /// The region's first byte in the peer's address space, and where it lives here.
+    pub iova: u64,
+    pub addr: u64,
+    pub len: u64,
+}
+
+impl LocalMemory {
+    pub fn new(lid: u16) -> std::io::Result<LocalMemory> {
+        let table = Table::create()?;
+        table.set_lid(lid);
+        Ok(LocalMemory {
+            table,
+            backings: Mutex::new(Vec::new()),
+            mr_slots: Mutex::new(SlotAllocator {
+                free: (0..MR_SLOTS as u16).rev().collect(),
+            }),
+        })
+    }
+
+    /// A free MR slot: its index becomes the low bits of the region's rkey.
+    pub fn allocate_region_slot(&self) -> Option<u16> {
+        self.mr_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .free
+            .pop()
+    }
+
+    pub fn free_region_slot(&self, slot: u16) {
+        self.mr_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .free
+            .push(slot);
+    }
+
+    /// The backing holding the whole pages of `[addr, addr + len)`: an existing one, or a new
+    /// one (the pages move onto a memfd). None when the memory cannot be shared.
+    fn backing_for(&self, addr: u64, len: u64) -> Option<Arc<Backing>> {
+        let mut backings = self.backings.lock().unwrap_or_else(|p| p.into_inner());
+        // Forget backings nobody registers any more (the application keeps its mapping).
+        backings.retain(|b| Arc::strong_count(b) > 1);
+        let end = addr.checked_add(len)?;
+        if let Some(b) = backings.iter().find(|b| b.covers_pages_of(addr, end)) {
+            return Some(Arc::clone(b));
+        }
+        if backings.iter().any(|b| b.overlaps(addr, end)) {
+            return None; // partly shared already: this region keeps to the message path
+        }
+        match Backing::share(addr, len) {
+            Ok(b) => {
+                let b = Arc::new(b);
+                backings.push(Arc::clone(&b));
+                Some(b)
+            }
+            Err(e) => {
+                tracing::debug!("memory at {addr:#x}+{len} stays private: {e}");
+                None
+            }
+        }
+    }
+
+    /// Publishes a region in `slot` (from [`allocate_region_slot`]) when its memory can be
+    /// shared; None leaves it to the message path.
+    pub fn publish_region(&self, slot: u16, view: &RegionView) -> Option<PublishedRegion> {
+        let backing = self.backing_for(view.addr, view.len)?;
+        let (start, len) = backing.pages_of(view.addr, view.len)?;
+        let s = self.table.mr(usize::from(slot));
+        let seq = s.seq.load(Ordering::Relaxed);
+        let seq = if seq % 2 == 0 { seq + 1 } else { seq };
+        s.seq.store(seq, Ordering::SeqCst);
+        s.rkey.store(view.rkey, Ordering::Relaxed);
+        s.pd.store(view.pd, Ordering::Relaxed);
+        s.access.store(view.access, Ordering::Relaxed);
+        s.backing_fd.store(backing.fd(), Ordering::Relaxed);
+        s.backing_ino.store(backing.ino(), Ordering::Relaxed);
+        s.iova
+            .store(view.iova + (start - view.addr), Ordering::Relaxed);
+        s.len.store(len, Ordering::Relaxed);
+        s.backing_offset
+            .store(backing.offset_of(start), Ordering::Relaxed);
+        s.seq.store(seq + 1, Ordering::Release);
+        Some(PublishedRegion {
+            slot: usize::from(slot),
+            _backing: backing,
+        })
+    }
+
+    /// Withdraws a region: once this returns, no peer reads or writes it any more.
+    pub fn withdraw_region(&self, region: PublishedRegion) {
+        let s = self.table.mr(region.slot);
+        let seq = s.seq.load(Ordering::Relaxed);
+        if seq % 2 == 0 {
+            s.seq.store(seq + 1, Ordering::SeqCst);
+        }
+        for i in 0..QP_SLOTS {
+            self.wait_unlocked(i);
+        }
+    }
+
+    /// Publishes QP `qpn` as reachable by its peer (`peer_lid`, `peer_qpn`) with `access`.
+    pub fn publish_qp(&self, qpn: u32, pd: u32, access: u32, peer_lid: u16, peer_qpn: u32) {
+        let s = self.table.qp(qp_slot(qpn));
+        let seq = s.seq.load(Ordering::Relaxed);
+        if seq % 2 == 0 {
+            s.seq.store(seq + 1, Ordering::SeqCst);
+            self.wait_unlocked(qp_slot(qpn));
+        }
+        let seq = s.seq.load(Ordering::Relaxed);
+        s.qpn.store(qpn, Ordering::Relaxed);
+        s.pd.store(pd, Ordering::Relaxed);
+        s.access.store(access, Ordering::Relaxed);
+        s.peer_lid.store(u32::from(peer_lid), Ordering::Relaxed);
+        s.peer_qpn.store(peer_qpn, Ordering::Relaxed);
+        s.seq.store(seq + 1, Ordering::Release);
+    }
+
+    /// QP `qpn` takes no direct access any more; once this returns, none is in progress.
+    pub fn withdraw_qp(&self, qpn: u32) {
+        let i = qp_slot(qpn);
+        let s = self.table.qp(i);
+        if s.qpn.load(Ordering::Relaxed) != qpn {
+            return;
+        }
+        let seq = s.seq.load(Ordering::Relaxed);
+        if seq % 2 == 0 {
+            s.seq.store(seq + 1, Ordering::SeqCst);
+        }
+        self.wait_unlocked(i);
+    }
+
+    /// Whether QP slot `qpn` maps to is free (no live QP of this process publishes there).
+    pub fn qp_slot_free(&self, qpn: u32) -> bool {
+        self.table.qp(qp_slot(qpn)).qpn.load(Ordering::Relaxed) == 0
+    }
+
+    /// Claims QP `qpn`'s slot (not yet published: odd seq).
+    pub fn claim_qp_slot(&self, qpn: u32) {
+        let s = self.table.qp(qp_slot(qpn));
+        let seq = s.seq.load(Ordering::Relaxed);
+        if seq % 2 == 0 {
+            s.seq.store(seq + 1, Ordering::SeqCst);
+        }
+        s.qpn.store(qpn, Ordering::Release);
+    }
+
+    /// Releases QP `qpn`'s slot (after [`withdraw_qp`]).
+    pub fn release_qp_slot(&self, qpn: u32) {
+        let s = self.table.qp(qp_slot(qpn));
+        if s.qpn.load(Ordering::Relaxed) == qpn {
+            s.qpn.store(0, Ordering::Release);
+        }
+    }
+
+    /// Waits until no requester holds QP slot `i`'s lock; a holder that died is cleared.
+    fn wait_unlocked(&self, i: usize) {
+        let lock = &self.table.qp(i).lock;
+        let mut spins = 0u32;
+        loop {
+            let holder = lock.load(Ordering::SeqCst);
+            if holder == 0 {
+                return;
+            }
+            spins += 1;
+            if spins % 1024 == 0 && !super::address::pid_alive(holder as i32) {
+                let _ = lock.compare_exchange(holder, 0, Ordering::SeqCst, Ordering::SeqCst);
+            }
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+fn qp_slot(qpn: u32) -> usize {
+    qpn as usize % QP_SLOTS
+}
+
+/// Why a direct access did not happen (the message path then carries the request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Another requester holds the target QP's slot.
+    Busy,
+    /// The target QP or region is not published for this access (or changed meanwhile).
+    NotPublished,
+    /// The peer's memory could not be mapped or copied.
+    Unreachable,
+}
+
+/// A peer process on this host whose published memory this process maps (requester side).
+pub struct PeerMemory {
+    pid: i32,
+    table: PeerTable,
+    backings: Mutex<HashMap<(i32, u64), Arc<PeerBacking>>>,
+    failed_once: AtomicBool,
+}
+
+impl PeerMemory {
+    /// Maps the table of the process `pid` that owns port `lid`. Fails when the direct path is
+    /// off, or the kernel does not let this process open the peer's descriptors (another
+    /// user, a non-dumpable peer, a sandbox).
+    pub fn open(pid: i32, lid: u16) -> std::io::Result<PeerMemory> {
+        if !enabled() {
+            return Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        }
+        let table = PeerTable::open(pid)?;
+        if table.lid() != lid {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(PeerMemory {
+            pid,
+            table,
+            backings: Mutex::new(HashMap::new()),
+            failed_once: AtomicBool::new(false),
+        })
+    }
+
+    /// An RDMA WRITE (`write`) or READ of `spans` at `remote_addr` under `rkey`, through the
+    /// peer's QP `dst_qpn`, from this process's QP `my_qpn` on port `my_lid`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn access(
+        &self,
+        write: bool,
+        my_lid: u16,
+        my_qpn: u32,
+        dst_qpn: u32,
+        rkey: u32,
+        remote_addr: u64,
+        spans: &[AppSpan],
+    ) -> Result<(), Refused> {
+        let qp = self.table.qp(qp_slot(dst_qpn));
+        let me = std::process::id();
+        if qp
+            .lock
+            .compare_exchange(0, me, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return Err(Refused::Busy);
+        }
+        let result = self.access_locked(write, my_lid, my_qpn, dst_qpn, rkey, remote_addr, spans);
+        qp.lock.store(0, Ordering::Release);
+        let counter = match (&result, write) {
+            (Ok(()), true) => &COUNTERS.writes,
+            (Ok(()), false) => &COUNTERS.reads,
+            (Err(_), _) => &COUNTERS.fallbacks,
+        };
+        let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            // Observable with UGDR_LOG=debug, at a logarithmic cost.
+            tracing::debug!(
+                "direct path to pid {}: {} writes, {} reads, {} fell back to messages",
+                self.pid,
+                COUNTERS.writes.load(Ordering::Relaxed),
+                COUNTERS.reads.load(Ordering::Relaxed),
+                COUNTERS.fallbacks.load(Ordering::Relaxed)
+            );
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn access_locked(
+        &self,
+        write: bool,
+        my_lid: u16,
+        my_qpn: u32,
+        dst_qpn: u32,
+        rkey: u32,
+        remote_addr: u64,
+        spans: &[AppSpan],
+    ) -> Result<(), Refused> {
+        let needed = if write { REMOTE_WRITE } else { REMOTE_READ };
+        let qp = self.table.qp(qp_slot(dst_qpn));
+        let qp_seq = qp.seq.load(Ordering::SeqCst);
+        let pd = qp.pd.load(Ordering::Relaxed);
+        if qp_seq % 2 == 1
+            || qp.qpn.load(Ordering::Relaxed) != dst_qpn
+            || qp.peer_lid.load(Ordering::Relaxed) != u32::from(my_lid)
+            || qp.peer_qpn.load(Ordering::Relaxed) != my_qpn
+            || qp.access.load(Ordering::Relaxed) & needed != needed
+        {
+            return Err(Refused::NotPublished);
+        }
+        let mr = self.table.mr(rkey as usize % MR_SLOTS);
+        let mr_seq = mr.seq.load(Ordering::SeqCst);
+        let len: u64 = spans.iter().map(|s| s.len() as u64).sum();
+        let iova = mr.iova.load(Ordering::Relaxed);
+        let mr_len = mr.len.load(Ordering::Relaxed);
+        let inside = remote_addr >= iova
+            && remote_addr
+                .checked_add(len)
+                .is_some_and(|end| end <= iova.saturating_add(mr_len));
+        if mr_seq % 2 == 1
+            || mr.rkey.load(Ordering::Relaxed) != rkey
+            || mr.pd.load(Ordering::Relaxed) != pd
+            || mr.access.load(Ordering::Relaxed) & needed != needed
+            || !inside
+        {
+            return Err(Refused::NotPublished);
+        }
+        let fd = mr.backing_fd.load(Ordering::Relaxed);
+        let ino = mr.backing_ino.load(Ordering::Relaxed);
+        let offset = mr.backing_offset.load(Ordering::Relaxed) + (remote_addr - iova);
+        let backing = self.backing(fd, ino)?;
+        let copied = if write {
+            backing.write(offset, spans)
+        } else {
+            backing.read(offset, spans)
+        };
+        copied.map_err(|e| {
+            tracing::debug!("direct access to pid {}: {e}", self.pid);
+            Refused::Unreachable
+        })
+    }
+
+    fn backing(&self, fd: i32, ino: u64) -> Result<Arc<PeerBacking>, Refused> {
+        let mut map = self.backings.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = map.get(&(fd, ino)) {
+            return Ok(Arc::clone(b));
+        }
+        match PeerBacking::open(self.pid, fd, ino) {
+            Ok(b) => {
+                let b = Arc::new(b);
+                // A peer's fd numbers are reused for new backings: forget older ones on it.
+                map.retain(|(f, _), _| *f != fd);
+                map.insert((fd, ino), Arc::clone(&b));
+                Ok(b)
+            }
+            Err(e) => {
+                if !self.failed_once.swap(true, Ordering::Relaxed) {
+                    tracing::debug!("cannot map memory of pid {}: {e}", self.pid);
+                }
+                Err(Refused::Unreachable)
+            }
+        }
+    }
+}

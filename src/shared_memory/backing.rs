@@ -1,0 +1,340 @@
+//! Registered memory on a memfd, so that same-host peers can map the very pages.
+//!
+//! [`Backing::share`] moves the whole pages inside a registered range of private anonymous
+//! memory (heap, `malloc`, `mmap(MAP_ANONYMOUS | MAP_PRIVATE)`) onto a new memfd: it copies
+//! the pages that hold data (never-touched pages stay unallocated) and maps the memfd over
+//! them with `MAP_FIXED`, read-write as before. The application sees the same bytes at the
+//! same addresses. Only pages entirely inside the registered range move, so no other
+//! allocation sharing a page with it (malloc's own bookkeeping included) is ever touched.
+//! What changes, and is documented in docs/design.md: those pages are now a shared mapping (a
+//! `fork()`ed child shares them instead of copying them on write), and a store the application
+//! makes to the registered buffer itself while `ibv_reg_mr` runs may be lost. Ranges that are
+//! file-backed, shared already, the main thread's stack (which grows), or not readable and
+//! writable are left alone (`share` fails): their MRs use the message path.
+
+use super::{Mapping, file_identity, memfd, open_peer_fd, page_size};
+use crate::ucp::AppSpan;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+/// Application memory moved onto a memfd (owner side). The memfd stays open while the
+/// backing lives, so that peers can open it; the application's mapping keeps the pages.
+pub struct Backing {
+    fd: OwnedFd,
+    ino: u64,
+    /// Page-aligned start and length of the moved range.
+    base: u64,
+    len: u64,
+}
+
+impl Backing {
+    /// Moves the whole pages inside `[addr, addr + len)` onto a memfd (see the module
+    /// comment); fails when there are none.
+    pub fn share(addr: u64, len: u64) -> io::Result<Backing> {
+        let page = page_size();
+        let (base, end) = addr
+            .checked_add(len)
+            .and_then(|end| whole_pages(addr, end))
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ERANGE))?;
+        let size = end - base;
+        check_private_anonymous(base, end)?;
+        let fd = memfd(c"ugdr-mr", size)?;
+        let (_, ino) = file_identity(&fd)?;
+        let staging = Mapping::of_file(&fd, size as usize)?;
+        let resident = resident_pages(base, size / page);
+        for (i, present) in resident.iter().enumerate() {
+            if !present {
+                continue; // never touched: reads as zeros, as the fresh memfd does
+            }
+            let off = i as u64 * page;
+            // SAFETY: the source page lies in a private anonymous, readable and writable
+            // mapping of this process (checked above), the destination inside the staging
+            // mapping of `size` bytes; the two never overlap (the staging mapping is new).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (base + off) as *const u8,
+                    staging.base().add(off as usize),
+                    page as usize,
+                );
+            }
+        }
+        // SAFETY: replaces exactly the pages of `[base, end)`, which were checked to be a
+        // private anonymous read-write mapping of this process, by a shared mapping of the
+        // memfd that now holds their content: the same bytes at the same addresses.
+        let mapped = unsafe {
+            libc::mmap(
+                base as *mut libc::c_void,
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Backing {
+            fd,
+            ino,
+            base,
+            len: size,
+        })
+    }
+
+    pub fn fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    pub fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    /// The moved range: its first address and length.
+    pub fn range(&self) -> (u64, u64) {
+        (self.base, self.len)
+    }
+
+    /// The whole pages inside `[addr, addr + len)` that lie in this backing, as (first
+    /// address, length); None when there are none.
+    pub fn pages_of(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let (start, end) = whole_pages(addr, addr.checked_add(len)?)?;
+        let start = start.max(self.base);
+        let end = end.min(self.base + self.len);
+        (end > start).then_some((start, end - start))
+    }
+
+    /// Whether this backing holds every whole page inside `[addr, end)`.
+    pub fn covers_pages_of(&self, addr: u64, end: u64) -> bool {
+        whole_pages(addr, end).is_some_and(|(s, e)| s >= self.base && e <= self.base + self.len)
+    }
+
+    /// Where address `addr` (inside the backing) lies in the memfd.
+    pub fn offset_of(&self, addr: u64) -> u64 {
+        addr - self.base
+    }
+
+    /// Whether the whole pages inside `[addr, end)` overlap this backing.
+    pub fn overlaps(&self, addr: u64, end: u64) -> bool {
+        whole_pages(addr, end).is_some_and(|(s, e)| s < self.base + self.len && e > self.base)
+    }
+}
+
+/// The whole pages inside `[addr, end)`: (first page, end of the last page), if any.
+fn whole_pages(addr: u64, end: u64) -> Option<(u64, u64)> {
+    let page = page_size();
+    let start = addr.checked_add(page - 1)? & !(page - 1);
+    let end = end & !(page - 1);
+    (end > start).then_some((start, end))
+}
+
+/// Checks, from `/proc/self/maps`, that `[start, end)` is covered by private anonymous mappings
+/// that are readable and writable and not the stack.
+fn check_private_anonymous(start: u64, end: u64) -> io::Result<()> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let mut covered = start;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms), Some(_off), Some(_dev), Some(inode)) = (
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+        ) else {
+            continue;
+        };
+        let path = fields.next().unwrap_or("");
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
+            continue;
+        };
+        if hi <= covered || lo >= end {
+            continue;
+        }
+        let anonymous = inode == "0" && (path.is_empty() || path == "[heap]");
+        if lo > covered || !anonymous || !perms.starts_with("rw") || !perms.ends_with('p') {
+            return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+        }
+        covered = hi;
+        if covered >= end {
+            return Ok(());
+        }
+    }
+    Err(io::Error::from_raw_os_error(libc::EFAULT))
+}
+
+/// For each page of `[base, base + pages * page)`: whether it holds data (present or swapped,
+/// from `/proc/self/pagemap`). Unknown (no pagemap): every page counts as holding data.
+fn resident_pages(base: u64, pages: u64) -> Vec<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let all = vec![true; pages as usize];
+    let Ok(mut f) = std::fs::File::open("/proc/self/pagemap") else {
+        return all;
+    };
+    let mut raw = vec![0u8; pages as usize * 8];
+    if f.seek(SeekFrom::Start(base / page_size() * 8)).is_err() || f.read_exact(&mut raw).is_err() {
+        return all;
+    }
+    raw.chunks_exact(8)
+        .map(|e| {
+            let v = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+            v & (3 << 62) != 0 // bit 63: present, bit 62: swapped
+        })
+        .collect()
+}
+
+/// A peer's backing, mapped here (requester side).
+pub struct PeerBacking {
+    mapping: Mapping,
+    ino: u64,
+}
+
+impl PeerBacking {
+    /// Maps the memfd behind descriptor `fd` of process `pid`, if it is still inode `ino`.
+    pub fn open(pid: i32, fd: i32, ino: u64) -> io::Result<PeerBacking> {
+        let file = open_peer_fd(pid, fd)?;
+        let (size, actual) = file_identity(&file)?;
+        if actual != ino || size == 0 {
+            return Err(io::Error::from_raw_os_error(libc::ESTALE));
+        }
+        let mapping = Mapping::of_file(&file, size as usize)?;
+        Ok(PeerBacking { mapping, ino })
+    }
+
+    pub fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    fn check(&self, offset: u64, len: usize) -> io::Result<usize> {
+        let off =
+            usize::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EFAULT))?;
+        match off.checked_add(len) {
+            Some(end) if end <= self.mapping.len => Ok(off),
+            _ => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+        }
+    }
+
+    /// Copies the bytes of `spans`, in order, to `offset` in the peer's memory.
+    pub fn write(&self, offset: u64, spans: &[AppSpan]) -> io::Result<()> {
+        let total: usize = spans.iter().map(AppSpan::len).sum();
+        let mut at = self.check(offset, total)?;
+        for s in spans {
+            // SAFETY: `s` is a checked span of registered (or ugdr-owned) memory, valid for
+            // reads (AppSpan's contract); the destination range was bounds-checked against the
+            // mapping; the peer's pages are another mapping, never the same Rust object.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    s.addr() as *const u8,
+                    self.mapping.base().add(at),
+                    s.len(),
+                );
+            }
+            at += s.len();
+        }
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` in the peer's memory into `spans`, in order.
+    pub fn read(&self, offset: u64, spans: &[AppSpan]) -> io::Result<()> {
+        let total: usize = spans.iter().map(AppSpan::len).sum();
+        let mut at = self.check(offset, total)?;
+        for s in spans {
+            // SAFETY: `s` is a checked span of registered memory with local write access,
+            // valid for writes (AppSpan's contract); the source range was bounds-checked.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.mapping.base().add(at),
+                    s.addr() as *mut u8,
+                    s.len(),
+                );
+            }
+            at += s.len();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ucp::AppRegion;
+
+    /// A private anonymous mapping of `pages` pages, filled with a pattern.
+    fn anonymous(pages: usize) -> &'static mut [u8] {
+        let len = pages * page_size() as usize;
+        // SAFETY: a fresh private anonymous mapping, leaked for the test's duration.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: the mapping above, `len` bytes, owned by the test from now on.
+        let buf = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) };
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        buf
+    }
+
+    fn span(addr: u64, len: u64) -> AppSpan {
+        // SAFETY: test memory that stays mapped (leaked) for the test's duration.
+        unsafe { AppRegion::new(addr, len) }
+            .span(addr, len)
+            .unwrap()
+    }
+
+    #[test]
+    fn sharing_keeps_the_bytes_and_a_peer_mapping_sees_and_changes_them() {
+        let buf = anonymous(4);
+        let start = buf.as_ptr() as u64;
+        // Registered from the middle of page 0 to the middle of page 3: pages 1 and 2 move.
+        let backing = Backing::share(start + 100, 3 * 4096).unwrap();
+        assert_eq!(backing.range(), (start + 4096, 2 * 4096));
+        assert_eq!(
+            backing.pages_of(start, 3 * 4096),
+            Some((start + 4096, 2 * 4096))
+        );
+        assert!(backing.covers_pages_of(start + 4096, start + 3 * 4096 + 7));
+        assert!(!backing.covers_pages_of(start, start + 4 * 4096));
+        assert!(buf.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+        let peer =
+            PeerBacking::open(std::process::id() as i32, backing.fd(), backing.ino()).unwrap();
+        let src = [7u8; 10];
+        peer.write(
+            backing.offset_of(start + 4096 + 5),
+            &[AppSpan::of_owned(&src)],
+        )
+        .unwrap();
+        assert_eq!(&buf[4096 + 5..4096 + 15], &[7u8; 10]);
+        assert_eq!(buf[4096 + 4], ((4096 + 4) % 251) as u8);
+        let out = anonymous(1);
+        peer.read(
+            backing.offset_of(start + 4096),
+            &[span(out.as_ptr() as u64, 4)],
+        )
+        .unwrap();
+        assert_eq!(&out[..4], &buf[4096..4100]);
+        assert!(
+            peer.write(2 * 4096 - 5, &[AppSpan::of_owned(&src)])
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn file_backed_and_sub_page_memory_are_left_alone() {
+        let text =
+            sharing_keeps_the_bytes_and_a_peer_mapping_sees_and_changes_them as *const () as usize;
+        assert!(Backing::share(text as u64, 8192).is_err());
+        let buf = anonymous(2);
+        assert!(Backing::share(buf.as_ptr() as u64 + 1, 4096).is_err());
+    }
+}

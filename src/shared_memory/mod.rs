@@ -1,0 +1,109 @@
+//! Memory that ugdr processes on one host share, so that an RDMA WRITE or READ between them
+//! is a `memcpy` by the requester and needs nothing of the target's CPU (docs/design.md,
+//! "Same-host one-sided path").
+//!
+//! * [`Table`]: each process's table of published memory regions and queue pairs, in a memfd
+//!   its peers map. The slot layout is the protocol between processes; the rules for using it
+//!   (who writes what, in which order) live in the engine (`engine/direct.rs`).
+//! * [`Backing`]: registered application memory moved, in place and with its content, onto a
+//!   memfd (the pages stay at the same addresses with the same protection, now as a shared
+//!   mapping), so that a peer can map the same pages.
+//! * [`PeerTable`], [`PeerBacking`]: a peer's table and backings, mapped into this process
+//!   through `/proc/<pid>/fd/<n>` (which the kernel allows exactly when this process may
+//!   ptrace-read the peer: same user, peer dumpable, or CAP_SYS_PTRACE).
+//!
+//! This is one of the FFI edges: `unsafe` here is limited to mapping, unmapping and copying,
+//! each with its `SAFETY:` line; everything above it is safe Rust.
+
+mod backing;
+mod table;
+
+pub use backing::{Backing, PeerBacking};
+pub use table::{MR_SLOTS, MrSlot, PeerTable, QP_SLOTS, QpSlot, Table};
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+/// A shared mapping of a whole file, unmapped on drop.
+struct Mapping {
+    addr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through atomics (the table) or
+// through copies whose races are the RDMA semantics the verbs contract allows (a WRITE racing
+// the target's own stores), never through Rust references to non-atomic data.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` from offset 0, shared, readable and writable.
+    fn of_file(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (no MAP_FIXED): it replaces nothing.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let addr = NonNull::new(addr.cast::<u8>()).ok_or_else(io::Error::last_os_error)?;
+        Ok(Mapping { addr, len })
+    }
+
+    fn base(&self) -> *mut u8 {
+        self.addr.as_ptr()
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping this value created; nothing borrows it any more
+        // (borrows of the table's slots are tied to the owning value's lifetime).
+        unsafe { libc::munmap(self.addr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Size of `fd`'s file and its inode number.
+fn file_identity(fd: &OwnedFd) -> io::Result<(u64, u64)> {
+    let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(io::Error::from)?;
+    Ok((st.st_size as u64, st.st_ino))
+}
+
+/// A new memfd named `name` of `len` bytes (close-on-exec).
+fn memfd(name: &std::ffi::CStr, len: u64) -> io::Result<OwnedFd> {
+    let fd = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
+        .map_err(io::Error::from)?;
+    nix::unistd::ftruncate(&fd, len as libc::off_t).map_err(io::Error::from)?;
+    Ok(fd)
+}
+
+/// Opens the file behind another process's descriptor (`/proc/<pid>/fd/<fd>`), read-write.
+fn open_peer_fd(pid: i32, fd: i32) -> io::Result<OwnedFd> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/{pid}/fd/{fd}"))?;
+    Ok(OwnedFd::from(file))
+}
+
+/// The page size of this host.
+fn page_size() -> u64 {
+    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf reads a constant of the system; no pointers involved.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if p > 0 { p as u64 } else { 4096 }
+    })
+}

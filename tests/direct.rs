@@ -1,0 +1,853 @@
+//! The same-host direct path for RDMA WRITE and READ (docs/design.md), between two real
+//! processes: a target that registers memory and a requester that writes and reads it. The
+//! test process only relays their lines and stops or continues the target (SIGSTOP): a WRITE
+//! or READ that completes while the target is stopped needed none of its CPU, so it took the
+//! direct path; one that must wait for SIGCONT went through messages.
+//!
+//! Every check the responder makes holds on the direct path too (unknown rkey, missing
+//! access, out of range, deregistered memory, racing a deregistration), RC ordering holds
+//! (a SEND after a WRITE finds the WRITE's data in place, 100,000 times), and where the path
+//! is off (`UGDR_DIRECT=off`) or not permitted (a non-dumpable target, a requester without
+//! CAP_SYS_PTRACE) the same operations complete through messages.
+//!
+//! Runs without libtest's harness (the binary is also the two roles); prints libtest-style
+//! lines and the closing "N passed, M failed".
+
+mod fixture;
+
+use fixture::*;
+use std::io::{BufRead, BufReader, Write};
+use std::os::raw::c_int;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::ptr::null_mut;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const PAGE: usize = 4096;
+/// The target's read-write region: 1 MiB + 2 pages.
+const RW_LEN: usize = (1 << 20) + 2 * PAGE;
+const RO_LEN: usize = 4 * PAGE;
+const RECV_SLOTS: usize = 8;
+
+fn main() {
+    match std::env::var("UGDR_DIRECT_ROLE").as_deref() {
+        Ok("target") => return target_role(),
+        Ok(scenario) => return requester_role(scenario),
+        Err(_) => {}
+    }
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let cases: [(&str, fn()); 6] = [
+        (
+            "writes_and_reads_complete_while_the_target_is_stopped",
+            while_stopped,
+        ),
+        ("refused_accesses_go_to_the_responder_and_fail", refusals),
+        ("nothing_lands_after_deregistration_returns", dereg_race),
+        ("a_send_after_a_direct_write_finds_its_data", ordering),
+        ("ugdr_direct_off_uses_messages", direct_off),
+        (
+            "a_requester_not_permitted_falls_back_to_messages",
+            not_permitted,
+        ),
+    ];
+    let (mut passed, mut failed) = (0, 0);
+    for (name, case) in cases {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        match std::panic::catch_unwind(case) {
+            Ok(()) => {
+                println!("test {name} ... ok");
+                passed += 1;
+            }
+            Err(_) => {
+                println!("test {name} ... FAILED");
+                failed += 1;
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    std::process::exit(if failed == 0 { 0 } else { 1 });
+}
+
+// ------------------------------------------------------------------ the test process
+
+fn while_stopped() {
+    run("while_stopped", &[], Requester::Privileged);
+}
+fn refusals() {
+    run("refusals", &[], Requester::Privileged);
+}
+fn dereg_race() {
+    run("dereg_race", &[], Requester::Privileged);
+}
+fn ordering() {
+    run("ordering", &[], Requester::Privileged);
+}
+fn direct_off() {
+    run("fallback", &[("UGDR_DIRECT", "off")], Requester::Privileged);
+}
+fn not_permitted() {
+    // A non-dumpable target (as a setuid or execute-only program is) may only be opened by a
+    // process with CAP_SYS_PTRACE: the requester runs as root without capabilities. UCX's own
+    // posix and cma transports need the same permission, so both sides keep UCX to SysV
+    // shared memory (and TCP), as a user in that situation would.
+    run(
+        "fallback",
+        &[
+            ("UGDR_TEST_NONDUMPABLE", "1"),
+            ("UCX_TLS", UCX_WITHOUT_PTRACE),
+        ],
+        Requester::WithoutCapabilities,
+    );
+}
+
+const UCX_WITHOUT_PTRACE: &str = "sysv,self,tcp";
+
+#[derive(PartialEq)]
+enum Requester {
+    Privileged,
+    WithoutCapabilities,
+}
+
+fn spawn(role: &str, env: &[(&str, &str)], how: &Requester) -> Child {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = if *how == Requester::WithoutCapabilities {
+        let mut c = Command::new("setpriv");
+        c.args(["--inh-caps=-all", "--bounding-set=-all", "--"]);
+        c.arg(&exe);
+        c
+    } else {
+        Command::new(&exe)
+    };
+    cmd.env("UGDR_DIRECT_ROLE", role)
+        .env("UGDR_LOG", "debug")
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {role}: {e}"))
+}
+
+/// Lines from a child's stdout, on a channel (so the relay can wait with a deadline).
+fn lines_of(child: &mut Child, tag: &'static str) -> mpsc::Receiver<String> {
+    let out = BufReader::new(child.stdout.take().unwrap());
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in out.lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+        let _ = tx.send(format!("{tag} exited"));
+    });
+    rx
+}
+
+fn stderr_of(child: &mut Child) -> std::thread::JoinHandle<String> {
+    let mut err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut err, &mut s);
+        s
+    })
+}
+
+fn say(to: &mut ChildStdin, line: &str) {
+    writeln!(to, "{line}").unwrap();
+    to.flush().unwrap();
+}
+
+/// Runs requester `scenario` against a target (the target's environment gets `target_env`),
+/// relaying lines and signalling the target as the requester asks, for at most 150 s.
+fn run(scenario: &str, target_env: &[(&str, &str)], how: Requester) {
+    let mut target = spawn("target", target_env, &Requester::Privileged);
+    let requester_env: Vec<(&str, &str)> = target_env
+        .iter()
+        .copied()
+        .filter(|(k, _)| *k == "UCX_TLS")
+        .collect();
+    let mut requester = spawn(scenario, &requester_env, &how);
+    let target_err = stderr_of(&mut target);
+    let requester_err = stderr_of(&mut requester);
+    let from_target = lines_of(&mut target, "target");
+    let from_requester = lines_of(&mut requester, "requester");
+    let mut to_target = target.stdin.take().unwrap();
+    let mut to_requester = requester.stdin.take().unwrap();
+    let tpid = nix::unistd::Pid::from_raw(target.id() as i32);
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let mut verdict: Result<(), String> = Err("timed out".into());
+    'relay: while Instant::now() < deadline {
+        while let Ok(line) = from_target.try_recv() {
+            say(&mut to_requester, &format!("T {line}"));
+        }
+        match from_requester.recv_timeout(Duration::from_millis(5)) {
+            Ok(line) => {
+                if let Some(cmd) = line.strip_prefix("to-target ") {
+                    say(&mut to_target, cmd);
+                } else if line == "stop-target" || line == "cont-target" {
+                    let sig = if line == "stop-target" {
+                        nix::sys::signal::Signal::SIGSTOP
+                    } else {
+                        nix::sys::signal::Signal::SIGCONT
+                    };
+                    nix::sys::signal::kill(tpid, sig).unwrap();
+                    if sig == nix::sys::signal::Signal::SIGSTOP {
+                        wait_stopped(target.id());
+                    }
+                    say(&mut to_requester, "P ok");
+                } else if line == "pass" {
+                    verdict = Ok(());
+                    break 'relay;
+                } else if let Some(why) = line.strip_prefix("fail ") {
+                    verdict = Err(why.to_string());
+                    break 'relay;
+                } else if line.ends_with("exited") {
+                    verdict = Err("requester exited early".into());
+                    break 'relay;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let _ = nix::sys::signal::kill(tpid, nix::sys::signal::Signal::SIGCONT);
+    say(&mut to_target, "quit");
+    drop(to_requester);
+    let _ = requester.kill();
+    let _ = requester.wait();
+    let end = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < end && target.try_wait().ok().flatten().is_none() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = target.kill();
+    let _ = target.wait();
+    if let Err(why) = verdict {
+        let (r, t) = (
+            requester_err.join().unwrap_or_default(),
+            target_err.join().unwrap_or_default(),
+        );
+        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let _ = std::fs::write(dir.join(format!("direct-{scenario}-requester.log")), &r);
+        let _ = std::fs::write(dir.join(format!("direct-{scenario}-target.log")), &t);
+        panic!(
+            "{scenario}: {why} (full logs in {})\n--- requester stderr:\n{}\n--- target stderr:\n{}",
+            dir.display(),
+            tail(&r),
+            tail(&t)
+        );
+    }
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    let keep: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| {
+            !l.contains("DEBUG") && !l.trim_start().starts_with("at ") && !l.contains(": 0x")
+        })
+        .collect();
+    keep[keep.len().saturating_sub(40)..].join("\n")
+}
+
+/// Waits until `/proc/<pid>/stat` shows the process stopped.
+fn wait_stopped(pid: u32) {
+    for _ in 0..1000 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if let Some(state) = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+        {
+            if state == "T" || state == "t" {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    panic!("target {pid} did not stop");
+}
+
+// ------------------------------------------------------------------ memory for the roles
+
+/// A private anonymous mapping (page-aligned, zeroed), as applications get from mmap/malloc.
+struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Region {
+    fn new(len: usize) -> Region {
+        let p = unsafe {
+            libc::mmap(
+                null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Region { ptr: p.cast(), len }
+    }
+    fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    fn bytes(&self) -> &[u8] {
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    fn reg(&self, dev: &Device, access: c_int) -> *mut ibv_mr {
+        let mr = unsafe { ibv_reg_mr(dev.pd, self.ptr.cast(), self.len, access) };
+        assert!(!mr.is_null(), "ibv_reg_mr: errno {}", errno());
+        mr
+    }
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn stdin_lines() -> impl Iterator<Item = String> {
+    std::io::stdin().lines().map_while(Result::ok)
+}
+
+fn out(line: &str) {
+    let mut o = std::io::stdout().lock();
+    writeln!(o, "{line}").unwrap();
+    o.flush().unwrap();
+}
+
+fn fields(line: &str) -> Vec<u64> {
+    line.split_whitespace()
+        .skip(1)
+        .map(|f| {
+            f.parse()
+                .unwrap_or_else(|_| panic!("bad field in {line:?}"))
+        })
+        .collect()
+}
+
+// ------------------------------------------------------------------ the target
+
+fn target_role() {
+    if std::env::var_os("UGDR_TEST_NONDUMPABLE").is_some() {
+        assert_eq!(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) }, 0);
+    }
+    let dev = Device::open();
+    let cq = dev.cq(256);
+    let rw = Region::new(RW_LEN);
+    let ro = Region::new(RO_LEN);
+    let recv = Region::new(PAGE);
+    let mut rw_mr = rw.reg(&dev, LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ);
+    let ro_mr = ro.reg(&dev, LOCAL_WRITE | REMOTE_READ);
+    let recv_mr = recv.reg(&dev, LOCAL_WRITE);
+    let mut qp = dev.rc_qp(cq, cq, 64);
+    unsafe {
+        out(&format!(
+            "ready {} {} {} {} {} {}",
+            dev.lid,
+            qp_num(qp),
+            rw.addr(),
+            (*rw_mr).rkey,
+            ro.addr(),
+            (*ro_mr).rkey
+        ));
+    }
+    for line in stdin_lines() {
+        let cmd = line.split_whitespace().next().unwrap_or("");
+        match cmd {
+            "peer" => {
+                let f = fields(&line);
+                connect(qp, f[0] as u16, f[1] as u32);
+                out("connected");
+            }
+            "newqp" => {
+                unsafe { ibv_destroy_qp(qp) };
+                while unsafe { poll_cq(cq, 1, &mut ibv_wc::default()) } > 0 {}
+                qp = dev.rc_qp(cq, cq, 64);
+                out(&format!("qp {}", qp_num(qp)));
+            }
+            "hash" => {
+                let f = fields(&line);
+                let (off, len) = (f[0] as usize, f[1] as usize);
+                out(&format!("hash {}", fnv(&rw.bytes()[off..off + len])));
+            }
+            "dereg" => {
+                assert_eq!(unsafe { ibv_dereg_mr(rw_mr) }, 0);
+                rw_mr = null_mut();
+                let snapshot = rw.bytes().to_vec();
+                std::thread::sleep(Duration::from_millis(200));
+                let same = snapshot == rw.bytes();
+                out(if same { "stable" } else { "changed" });
+            }
+            "order" => {
+                let n = fields(&line)[0] as usize;
+                let verdict = check_order(qp, cq, &recv, recv_mr, &rw, n);
+                eprintln!("order: {verdict}");
+                out(&verdict);
+            }
+            "quit" => break,
+            _ => out(&format!("unknown {line}")),
+        }
+    }
+    let _ = rw_mr;
+}
+
+/// Receives `n` SENDs, each carrying the value the requester wrote just before it at offset
+/// PAGE of the read-write region: that value (or a later one: the requester moves on once
+/// the SEND is acknowledged) must already be there.
+fn check_order(
+    qp: *mut ibv_qp,
+    cq: *mut ibv_cq,
+    recv: &Region,
+    recv_mr: *mut ibv_mr,
+    rw: &Region,
+    n: usize,
+) -> String {
+    let lkey = unsafe { (*recv_mr).lkey };
+    let post = |i: usize| {
+        let mut sge = [ibv_sge {
+            addr: recv.addr() + (i % RECV_SLOTS * 64) as u64,
+            length: 64,
+            lkey,
+        }];
+        assert_eq!(post_one_recv(qp, i as u64, &mut sge), 0);
+    };
+    for i in 0..RECV_SLOTS.min(n) {
+        post(i);
+    }
+    let mut pending = std::collections::VecDeque::new();
+    for i in 0..n {
+        if pending.is_empty() {
+            pending.extend(poll_n(cq, 1));
+        }
+        let wc = pending.pop_front().expect("polled");
+        if wc.status != ibv_wc_status::IBV_WC_SUCCESS || wc.wr_id != i as u64 || wc.byte_len != 8 {
+            return format!(
+                "bad-completion {i} status {} wr_id {} len {}",
+                wc.status.0, wc.wr_id, wc.byte_len
+            );
+        }
+        let slot = i % RECV_SLOTS * 64;
+        let sent = u64::from_ne_bytes(recv.bytes()[slot..slot + 8].try_into().unwrap());
+        let written = u64::from_ne_bytes(rw.bytes()[PAGE..PAGE + 8].try_into().unwrap());
+        if sent != i as u64 || written < i as u64 {
+            return format!("disorder {i} sent {sent} written {written}");
+        }
+        if i + RECV_SLOTS < n {
+            post(i + RECV_SLOTS);
+        }
+    }
+    "ordered".to_string()
+}
+
+// ------------------------------------------------------------------ the requester
+
+/// The requester's side of the relay: the test process's lines on stdin.
+struct Relay {
+    lines: Box<dyn Iterator<Item = String>>,
+}
+
+impl Relay {
+    fn next(&mut self) -> String {
+        self.lines.next().unwrap_or_else(|| panic!("relay closed"))
+    }
+    /// The target's next line.
+    fn target(&mut self) -> String {
+        let l = self.next();
+        l.strip_prefix("T ")
+            .unwrap_or_else(|| panic!("expected a target line, got {l:?}"))
+            .to_string()
+    }
+    fn ask(&mut self, cmd: &str) -> String {
+        out(&format!("to-target {cmd}"));
+        self.target()
+    }
+    fn signal(&mut self, what: &str) {
+        out(what);
+        assert_eq!(self.next(), "P ok");
+    }
+}
+
+struct Link {
+    dev: Device,
+    peer_lid: u16,
+    cq: *mut ibv_cq,
+    qp: *mut ibv_qp,
+    rw_addr: u64,
+    rw_rkey: u32,
+    ro_addr: u64,
+    ro_rkey: u32,
+    local: Region,
+    local_mr: *mut ibv_mr,
+}
+
+impl Link {
+    fn establish(relay: &mut Relay) -> Link {
+        let ready = relay.target();
+        assert!(ready.starts_with("ready "), "{ready}");
+        let f = fields(&ready);
+        let dev = Device::open();
+        let cq = dev.cq(256);
+        let qp = dev.rc_qp(cq, cq, 64);
+        connect(qp, f[0] as u16, f[1] as u32);
+        assert_eq!(
+            relay.ask(&format!("peer {} {}", dev.lid, qp_num(qp))),
+            "connected"
+        );
+        let local = Region::new(RW_LEN);
+        let local_mr = local.reg(&dev, LOCAL_WRITE);
+        Link {
+            dev,
+            peer_lid: f[0] as u16,
+            cq,
+            qp,
+            rw_addr: f[2],
+            rw_rkey: f[3] as u32,
+            ro_addr: f[4],
+            ro_rkey: f[5] as u32,
+            local,
+            local_mr,
+        }
+    }
+
+    /// A fresh pair of QPs (after one went to ERR).
+    fn reconnect(&mut self, relay: &mut Relay) {
+        let theirs = fields(&relay.ask("newqp"))[0] as u32;
+        unsafe { ibv_destroy_qp(self.qp) };
+        while unsafe { poll_cq(self.cq, 1, &mut ibv_wc::default()) } > 0 {}
+        self.qp = self.dev.rc_qp(self.cq, self.cq, 64);
+        connect(self.qp, self.peer_lid, theirs);
+        assert_eq!(
+            relay.ask(&format!("peer {} {}", self.dev.lid, qp_num(self.qp))),
+            "connected"
+        );
+    }
+
+    fn sge(&self, off: usize, len: usize) -> ibv_sge {
+        ibv_sge {
+            addr: self.local.addr() + off as u64,
+            length: len as u32,
+            lkey: unsafe { (*self.local_mr).lkey },
+        }
+    }
+
+    fn post(&self, wr_id: u64, op: ibv_wr_opcode, sges: &mut [ibv_sge], addr: u64, rkey: u32) {
+        assert_eq!(
+            post_one_send(self.qp, &mut rdma_wr(wr_id, sges, op, addr, rkey)),
+            0
+        );
+    }
+
+    /// The next completion within `wait`, if any.
+    fn completion(&self, wait: Duration) -> Option<ibv_wc> {
+        let end = Instant::now() + wait;
+        loop {
+            let mut wc = ibv_wc::default();
+            if unsafe { poll_cq(self.cq, 1, &mut wc) } == 1 {
+                return Some(wc);
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+        }
+    }
+
+    fn expect(&self, wr_id: u64, status: ibv_wc_status, opcode: ibv_wc_opcode, what: &str) {
+        let wc = self
+            .completion(Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("{what}: no completion"));
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.opcode, wc.qp_num),
+            (wr_id, status, opcode, qp_num(self.qp)),
+            "{what}"
+        );
+        if status == ibv_wc_status::IBV_WC_SUCCESS {
+            assert_eq!(wc.wc_flags, 0, "{what}: no flags on a send-side completion");
+        }
+    }
+}
+
+fn requester_role(scenario: &str) {
+    let mut relay = Relay {
+        lines: Box::new(stdin_lines()),
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut link = Link::establish(&mut relay);
+        match scenario {
+            "while_stopped" => scenario_while_stopped(&mut relay, &mut link),
+            "refusals" => scenario_refusals(&mut relay, &mut link),
+            "dereg_race" => scenario_dereg_race(&mut relay, &mut link),
+            "ordering" => scenario_ordering(&mut relay, &mut link),
+            "fallback" => scenario_fallback(&mut relay, &mut link),
+            other => panic!("unknown scenario {other}"),
+        }
+    }));
+    match result {
+        Ok(()) => out("pass"),
+        Err(e) => {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            out(&format!("fail {}", msg.replace('\n', " | ")));
+        }
+    }
+}
+
+fn fill(link: &mut Link, len: usize, seed: u8) {
+    for (i, b) in link.local.bytes_mut()[..len].iter_mut().enumerate() {
+        *b = (i % 253) as u8 ^ seed;
+    }
+}
+
+fn scenario_while_stopped(relay: &mut Relay, link: &mut Link) {
+    const LEN: usize = 1 << 20;
+    fill(link, LEN, 0x5a);
+    relay.signal("stop-target");
+    // One WRITE of 1 MiB in two SGEs, at an offset inside the region.
+    let mut sges = [link.sge(0, 4000), link.sge(4000, LEN - 4000)];
+    let (write, read) = (
+        ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        ibv_wr_opcode::IBV_WR_RDMA_READ,
+    );
+    link.post(1, write, &mut sges, link.rw_addr + 8, link.rw_rkey);
+    link.expect(
+        1,
+        ibv_wc_status::IBV_WC_SUCCESS,
+        ibv_wc_opcode::IBV_WC_RDMA_WRITE,
+        "write",
+    );
+    // Read it back into the second half of the local buffer... of a fresh region.
+    let back = Region::new(LEN);
+    let back_mr = back.reg(&link.dev, LOCAL_WRITE);
+    let mut rsge = [ibv_sge {
+        addr: back.addr(),
+        length: LEN as u32,
+        lkey: unsafe { (*back_mr).lkey },
+    }];
+    link.post(2, read, &mut rsge, link.rw_addr + 8, link.rw_rkey);
+    link.expect(
+        2,
+        ibv_wc_status::IBV_WC_SUCCESS,
+        ibv_wc_opcode::IBV_WC_RDMA_READ,
+        "read",
+    );
+    assert!(
+        back.bytes() == &link.local.bytes()[..LEN],
+        "read back what was written"
+    );
+    // READ from the read-only region (zeros).
+    let mut rsge = [ibv_sge {
+        addr: back.addr(),
+        length: 100,
+        lkey: unsafe { (*back_mr).lkey },
+    }];
+    link.post(3, read, &mut rsge, link.ro_addr + 5, link.ro_rkey);
+    link.expect(
+        3,
+        ibv_wc_status::IBV_WC_SUCCESS,
+        ibv_wc_opcode::IBV_WC_RDMA_READ,
+        "read ro",
+    );
+    assert!(back.bytes()[..100].iter().all(|b| *b == 0));
+    relay.signal("cont-target");
+    let want = fnv(&link.local.bytes()[..LEN]);
+    assert_eq!(relay.ask(&format!("hash 8 {LEN}")), format!("hash {want}"));
+    assert_eq!(
+        relay.ask("hash 0 8"),
+        format!("hash {}", fnv(&[0u8; 8])),
+        "bytes before"
+    );
+}
+
+fn scenario_refusals(relay: &mut Relay, link: &mut Link) {
+    type Target = fn(&Link) -> (ibv_wr_opcode, u64, u32);
+    const WRITE: ibv_wr_opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+    let cases: [(&str, Target); 5] = [
+        ("unknown rkey", |l| {
+            (WRITE, l.rw_addr, l.rw_rkey ^ 0x0010_0000)
+        }),
+        ("another slot's rkey", |l| (WRITE, l.rw_addr, l.ro_rkey)),
+        ("no remote write", |l| (WRITE, l.ro_addr, l.ro_rkey)),
+        ("past the end", |l| {
+            (WRITE, l.rw_addr + RW_LEN as u64 - 8, l.rw_rkey)
+        }),
+        ("before the start", |l| (WRITE, l.rw_addr - 8, l.rw_rkey)),
+    ];
+    fill(link, 64, 0xc3);
+    let zeros = fnv(&vec![0u8; RW_LEN]);
+    for (i, (what, target)) in cases.iter().enumerate() {
+        if i > 0 {
+            link.reconnect(relay);
+        }
+        let (op, addr, rkey) = target(link);
+        relay.signal("stop-target");
+        let mut sge = [link.sge(0, 64)];
+        link.post(10 + i as u64, op, &mut sge, addr, rkey);
+        assert!(
+            link.completion(Duration::from_millis(300)).is_none(),
+            "{what}: completed without the target: the direct path accepted it"
+        );
+        relay.signal("cont-target");
+        let wc = link
+            .completion(Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("{what}: no completion"));
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.qp_num),
+            (
+                10 + i as u64,
+                ibv_wc_status::IBV_WC_REM_ACCESS_ERR,
+                qp_num(link.qp)
+            ),
+            "{what}"
+        );
+        assert_eq!(qp_state(link.qp), ibv_qp_state::IBV_QPS_ERR.0, "{what}");
+        assert_eq!(
+            relay.ask(&format!("hash 0 {RW_LEN}")),
+            format!("hash {zeros}"),
+            "{what}: nothing written"
+        );
+    }
+}
+
+fn scenario_dereg_race(relay: &mut Relay, link: &mut Link) {
+    // A stream of 8-byte WRITEs (every 16th signaled) until one fails; meanwhile the target
+    // deregisters and checks that its memory no longer changes.
+    let qp = link.qp as usize;
+    let cq = link.cq as usize;
+    let (sge_addr, lkey) = (link.local.addr(), unsafe { (*link.local_mr).lkey });
+    let (addr, rkey) = (link.rw_addr + PAGE as u64, link.rw_rkey);
+    let local = link.local.ptr as usize;
+    let writer = std::thread::spawn(move || {
+        let (qp, cq) = (qp as *mut ibv_qp, cq as *mut ibv_cq);
+        let mut outstanding = 0u32;
+        for v in 1u64.. {
+            unsafe { (local as *mut u64).write_volatile(v) };
+            let mut sge = [ibv_sge {
+                addr: sge_addr,
+                length: 8,
+                lkey,
+            }];
+            let mut wr = rdma_wr(v, &mut sge, ibv_wr_opcode::IBV_WR_RDMA_WRITE, addr, rkey);
+            wr.send_flags = if v % 16 == 0 {
+                ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
+            let mut bad = null_mut();
+            if unsafe { post_send(qp, &mut wr, &mut bad) } != 0 {
+                // The queue is full: collect completions.
+            } else if v % 16 == 0 {
+                outstanding += 1;
+            }
+            while outstanding > 2 {
+                let mut wc = ibv_wc::default();
+                if unsafe { poll_cq(cq, 1, &mut wc) } == 1 {
+                    if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
+                        return (v, wc.status);
+                    }
+                    outstanding -= 1;
+                }
+            }
+            if v > 50_000_000 {
+                break;
+            }
+        }
+        (0, ibv_wc_status::IBV_WC_SUCCESS)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        relay.ask("dereg"),
+        "stable",
+        "bytes changed after ibv_dereg_mr returned"
+    );
+    let (after, status) = writer.join().unwrap();
+    assert!(after > 0, "the writes never failed");
+    assert_eq!(status, ibv_wc_status::IBV_WC_REM_ACCESS_ERR);
+}
+
+fn scenario_ordering(relay: &mut Relay, link: &mut Link) {
+    const N: u64 = 100_000;
+    out(&format!("to-target order {N}"));
+    let (laddr, lkey) = (link.local.addr(), unsafe { (*link.local_mr).lkey });
+    for i in 0..N {
+        unsafe { (link.local.ptr as *mut u64).write_volatile(i) };
+        let mut wsge = [ibv_sge {
+            addr: laddr,
+            length: 8,
+            lkey,
+        }];
+        let mut w = rdma_wr(
+            i,
+            &mut wsge,
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            link.rw_addr + PAGE as u64,
+            link.rw_rkey,
+        );
+        w.send_flags = 0;
+        let mut msg = i.to_ne_bytes();
+        let mut ssge = [ibv_sge {
+            addr: msg.as_mut_ptr() as u64,
+            length: 8,
+            lkey: 0,
+        }];
+        let mut s = send_wr(
+            i,
+            &mut ssge,
+            ibv_wr_opcode::IBV_WR_SEND,
+            ibv_send_flags::IBV_SEND_SIGNALED.0 | ibv_send_flags::IBV_SEND_INLINE.0,
+        );
+        w.next = &mut s;
+        let mut bad = null_mut();
+        assert_eq!(unsafe { post_send(link.qp, &mut w, &mut bad) }, 0);
+        let wc = link
+            .completion(Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("send {i}: no completion"));
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.opcode),
+            (i, ibv_wc_status::IBV_WC_SUCCESS, ibv_wc_opcode::IBV_WC_SEND),
+            "send {i}"
+        );
+    }
+    assert_eq!(relay.target(), "ordered");
+}
+
+fn scenario_fallback(relay: &mut Relay, link: &mut Link) {
+    fill(link, 8192, 0x11);
+    relay.signal("stop-target");
+    let mut sge = [link.sge(0, 8192)];
+    link.post(
+        7,
+        ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        &mut sge,
+        link.rw_addr,
+        link.rw_rkey,
+    );
+    assert!(
+        link.completion(Duration::from_millis(300)).is_none(),
+        "the WRITE completed while the target was stopped: the direct path was taken"
+    );
+    relay.signal("cont-target");
+    link.expect(
+        7,
+        ibv_wc_status::IBV_WC_SUCCESS,
+        ibv_wc_opcode::IBV_WC_RDMA_WRITE,
+        "write",
+    );
+    let want = fnv(&link.local.bytes()[..8192]);
+    assert_eq!(relay.ask("hash 0 8192"), format!("hash {want}"));
+}
