@@ -225,8 +225,7 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         }
         // SAFETY: the caller's attribute struct, checked non-NULL.
         let a = unsafe { &mut *attr };
-        let flags_given =
-            a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0 != 0;
+        let flags_given = a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0 != 0;
         if a.comp_mask & !SUPPORTED_INIT_MASK != 0 || (flags_given && a.create_flags != 0) {
             return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
         }

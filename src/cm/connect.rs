@@ -51,7 +51,7 @@ fn local_endpoint(
     responder_resources: u8,
     initiator_depth: u8,
 ) -> Result<Endpoint, CmError> {
-    let engine = Engine::get()?;
+    let engine = Engine::get().map_err(crate::fake_verbs::VerbsError::from)?;
     let (qpn, srq) = match qp {
         Some(qp) => (qp.qp_num(), qp.has_srq()),
         None => param.map_or((0, false), |p| (p.qp_num, p.srq != 0)),
