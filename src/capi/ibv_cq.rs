@@ -247,6 +247,7 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
         if let Err(e) = shell.inner.check_destroyable() {
             return status(Err(e));
         }
+        shell.inner.context.forget_object(cq as usize);
         shell.inner.wait_events_acked();
         shell.inner.destroy();
         // SAFETY: ours; the application gives it up here.

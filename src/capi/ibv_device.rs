@@ -5,9 +5,7 @@ use super::layout::{ContextShell, DeviceShell};
 use super::{ops, passthrough};
 use crate::engine::{Engine, host_network};
 use crate::fake_verbs::VerbsError;
-use crate::fake_verbs::context::{
-    DeviceContext, EVENT_CQ_ERR, EVENT_QP_LAST_WQE_REACHED, EVENT_SRQ_LIMIT_REACHED,
-};
+use crate::fake_verbs::context::{DeviceContext, EventElement};
 use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
 use dashmap::DashMap;
@@ -632,17 +630,18 @@ pub unsafe extern "C" fn ibv_get_async_event(
             set_errno(libc::EINVAL);
             return -1;
         }
-        match shell.inner.async_events.wait() {
+        match shell.inner.next_event() {
             Ok(ev) => {
                 let mut out = ibv_async_event {
                     event_type: ibv_event_type(ev.event_type),
                     ..Default::default()
                 };
-                match ev.event_type {
-                    EVENT_CQ_ERR => out.element.cq = ev.element as *mut ibv_cq,
-                    1..=7 | EVENT_QP_LAST_WQE_REACHED => out.element.qp = ev.element as *mut ibv_qp,
-                    14 | EVENT_SRQ_LIMIT_REACHED => out.element.srq = ev.element as *mut ibv_srq,
-                    _ => out.element.port_num = ev.element as c_int,
+                match EventElement::of(ev.event_type) {
+                    EventElement::Cq => out.element.cq = ev.element as *mut ibv_cq,
+                    EventElement::Qp => out.element.qp = ev.element as *mut ibv_qp,
+                    EventElement::Srq => out.element.srq = ev.element as *mut ibv_srq,
+                    EventElement::Wq => out.element.wq = ev.element as *mut ibv_wq,
+                    EventElement::Port => out.element.port_num = ev.element as c_int,
                 }
                 // SAFETY: caller's out-parameter, checked non-NULL.
                 unsafe { event.write(out) };
@@ -656,8 +655,8 @@ pub unsafe extern "C" fn ibv_get_async_event(
     })
 }
 
-/// ugdr does not wait for async-event acknowledgements when destroying objects, so there is
-/// nothing to count for its own events; others go to the real library.
+/// Acknowledges an event `ibv_get_async_event` returned: destroying the object it names waits
+/// for this (as in rdma-core). Events about the real library's objects go to it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_ack_async_event(event: *mut ibv_async_event) {
     ffi_boundary!("ibv_ack_async_event", {
@@ -666,24 +665,35 @@ pub unsafe extern "C" fn ibv_ack_async_event(event: *mut ibv_async_event) {
         }
         // SAFETY: the caller's event, filled by ibv_get_async_event.
         let ev = unsafe { &*event };
-        // SAFETY: reading the union member that matches the event type.
-        let context = unsafe {
-            match ev.event_type.0 {
-                EVENT_CQ_ERR => (!ev.element.cq.is_null()).then(|| (*ev.element.cq).context),
-                1..=7 | EVENT_QP_LAST_WQE_REACHED => {
-                    (!ev.element.qp.is_null()).then(|| (*ev.element.qp).context)
-                }
-                14 | EVENT_SRQ_LIMIT_REACHED => {
-                    (!ev.element.srq.is_null()).then(|| (*ev.element.srq).context)
-                }
-                _ => None,
+        // The handle and the `context` field of the union member the event type uses.
+        macro_rules! object {
+            ($member:ident) => {
+                (
+                    ev.element.$member as usize,
+                    ev.element.$member.as_ref().map(|o| o.context),
+                )
+            };
+        }
+        // SAFETY: reading the union member that matches the event type; the object is alive
+        // (its destroy waits for this acknowledgement).
+        let (element, context) = unsafe {
+            match EventElement::of(ev.event_type.0) {
+                EventElement::Cq => object!(cq),
+                EventElement::Qp => object!(qp),
+                EventElement::Srq => object!(srq),
+                EventElement::Wq => object!(wq),
+                EventElement::Port => return,
             }
         };
-        if let Some(c) = context.filter(|c| !ContextShell::is_ours(*c)) {
-            let _ = c;
-            if let Some(real) = passthrough::ibv_ack_async_event() {
-                // SAFETY: an event about an object of the real library.
-                unsafe { real(event) };
+        let Some(context) = context else { return };
+        // SAFETY: `context` is the object's own context field.
+        match unsafe { ContextShell::from_raw(context) } {
+            Some(ours) => ours.inner.ack_event(ev.event_type.0, element),
+            None => {
+                if let Some(real) = passthrough::ibv_ack_async_event() {
+                    // SAFETY: an event about an object of the real library.
+                    unsafe { real(event) };
+                }
             }
         }
     })

@@ -534,6 +534,8 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
             engine.unregister_qp(shell.inner.qp_num);
             shell.inner.destroy(&locked);
         }
+        // Its unread async events go, and the ones the application holds must be acked first.
+        shell.inner.pd.context.forget_object(qp as usize);
         // SAFETY: ours; the application gives it up here.
         unsafe { QpShell::destroy(qp.cast()) };
         0

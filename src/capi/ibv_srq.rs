@@ -180,6 +180,7 @@ pub unsafe extern "C" fn ibv_destroy_srq(srq: *mut ibv_srq) -> c_int {
         if let Err(e) = shell.inner.destroy() {
             return status(Err(e));
         }
+        shell.inner.context.forget_object(srq as usize);
         // SAFETY: ugdr's; the application gives it up here.
         unsafe { SrqShell::destroy(srq) };
         0

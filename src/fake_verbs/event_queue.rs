@@ -47,6 +47,13 @@ impl<T> EventQueue<T> {
     /// Takes the next event: blocks while none is queued, unless the application made the fd
     /// non-blocking (then `WouldBlock`, errno EAGAIN).
     pub fn wait(&self) -> Result<T, VerbsError> {
+        self.wait_with(|_| {})
+    }
+
+    /// Like [`EventQueue::wait`], running `on_take` on the event while it leaves the queue
+    /// (under the queue's lock, so a concurrent [`EventQueue::discard`] sees it either queued
+    /// or already accounted for by `on_take`).
+    pub fn wait_with(&self, on_take: impl Fn(&T)) -> Result<T, VerbsError> {
         loop {
             let mut byte = [0u8; 1];
             match (&self.reader).read(&mut byte) {
@@ -57,6 +64,7 @@ impl<T> EventQueue<T> {
             }
             let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(ev) = q.pop_front() {
+                on_take(&ev);
                 return Ok(ev);
             }
         }
@@ -99,9 +107,28 @@ impl<T> EventQueue<T> {
         }
     }
 
-    /// Drops every queued event matching `pred` (their bytes stay, and are skipped by `wait`).
+    /// Drops every queued event matching `pred`, and as many of the fd's bytes, so that the fd
+    /// is not left readable with no event behind it. A byte a waiter already read (it has not
+    /// taken its event yet) cannot be taken back: that waiter finds one event fewer and waits
+    /// for the next byte.
     pub fn discard(&self, pred: impl Fn(&T) -> bool) {
         let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let before = q.len();
         q.retain(|e| !pred(e));
+        let mut dropped = before - q.len();
+        let mut bytes = [0u8; 64];
+        while dropped > 0 {
+            let want = dropped.min(bytes.len());
+            match nix::sys::socket::recv(
+                self.reader.as_raw_fd(),
+                &mut bytes[..want],
+                nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(0) => break,
+                Ok(n) => dropped -= n,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(_) => break,
+            }
+        }
     }
 }
