@@ -2,11 +2,11 @@
 //! completions, released strictly in post order; a NAK or a failed send fails the QP; entering
 //! ERR flushes every outstanding WR (sends first, then receives) with IBV_WC_WR_FLUSH_ERR.
 
-use super::super::context::EVENT_QP_LAST_WQE_REACHED;
 use super::super::qp_state::QpState;
 use super::super::work::{WcOpcode, WcStatus, WorkCompletion};
 use super::QueuePair;
 use super::queues::{Deferred, Queues, release_kept};
+use super::receive::flushed_receive;
 use crate::engine::Engine;
 use crate::engine::wire::{self, Header, Nak};
 use crate::ucp::{AmPayload, LockedWorker};
@@ -29,36 +29,39 @@ impl QueuePair {
     }
 
     /// Completes every outstanding WR with IBV_WC_WR_FLUSH_ERR, in order (sends after any
-    /// already-finished ones, then receives).
+    /// already-finished ones, then receives). A send acknowledged behind one still unfinished
+    /// (a READ waiting for its data) never got its completion: it is flushed too, as hardware
+    /// flushes every WQE after the first incomplete one, so an unsignaled WR never reports
+    /// success; one that failed keeps its error.
+    ///
+    /// A WR whose data UCX is still writing into the application's buffers (a READ's
+    /// rendezvous response, a rendezvous SEND landing in a receive) completes only once it
+    /// landed, and the WRs after it wait behind it: hardware never reports a WR, flushed or
+    /// not, while it still writes its buffers, and applications reuse them at once (SPDK
+    /// reposts the receive and hands the buffer to the next request).
     pub(super) fn flush(&self, q: &mut Queues) {
         // Same-host peers stop reaching this QP's memory before anything is flushed.
         if let Some(memory) = Engine::local_memory() {
             memory.withdraw_qp(self.qp_num);
         }
+        for e in q.sq.iter_mut().filter(|e| !e.pulling) {
+            e.outcome = Some(match e.outcome {
+                Some(failed) if failed != WcStatus::Success => failed,
+                _ => WcStatus::WrFlushErr,
+            });
+        }
         self.release_send_completions(q);
-        while let Some(e) = q.sq.pop_front() {
-            let status = e.outcome.unwrap_or(WcStatus::WrFlushErr);
-            let mut wc = WorkCompletion::new(e.wr_id, status, e.opcode, self.qp_num);
-            wc.byte_len = 0;
-            self.send_cq.push(wc, true);
-        }
-        for l in q.landing.drain(..) {
-            if let Some(mut wc) = l.wc {
-                wc.status = WcStatus::WrFlushErr;
-                wc.byte_len = 0;
-                wc.wc_flags = 0;
-                self.recv_cq.push(wc, true);
+        for l in q.landing.iter_mut() {
+            if let Some(wc) = l.wc.as_mut() {
+                *wc = flushed_receive(wc);
             }
+            l.then = None;
         }
-        if self.srq.is_some() {
-            // IBA 11.6.3: a QP on an SRQ that went to ERR will take no more of its WRs.
-            self.raise(EVENT_QP_LAST_WQE_REACHED);
-        }
-        for r in q.rq.drain(..) {
-            self.recv_cq.push(
-                WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num),
-                true,
-            );
+        self.release_landed(q);
+        while let Some(r) = q.rq.pop_front() {
+            let wc =
+                WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num);
+            self.flushed_receive_in_order(q, wc);
         }
         release_kept(q);
     }
@@ -160,6 +163,7 @@ impl QueuePair {
                 AmPayload::Transient(bytes) => crate::ucp::scatter(&spans, bytes),
                 AmPayload::Persistent(data) => crate::ucp::scatter(&spans, data.bytes()),
                 AmPayload::Rendezvous(data) => {
+                    e.pulling = true;
                     q.outbox.push(Deferred::Receive {
                         landed: QueuePair::on_response_landed,
                         data,
@@ -182,14 +186,17 @@ impl QueuePair {
         result: Result<usize, crate::ucp::Error>,
     ) {
         self.locked_then_send(locked, |q| {
+            let err = q.state == QpState::Err;
             if let Some(e) =
                 q.sq.iter_mut()
-                    .find(|e| e.seq == seq && e.outcome.is_none())
+                    .find(|e| e.seq == seq && e.outcome.is_none() && e.pulling)
             {
-                e.outcome = Some(if result.is_ok() {
-                    WcStatus::Success
-                } else {
-                    WcStatus::LocQpOpErr
+                e.pulling = false;
+                // Landed after the QP went to ERR: the flush completion it was holding back.
+                e.outcome = Some(match result {
+                    _ if err => WcStatus::WrFlushErr,
+                    Ok(_) => WcStatus::Success,
+                    Err(_) => WcStatus::LocQpOpErr,
                 });
             }
             self.release_send_completions(q);

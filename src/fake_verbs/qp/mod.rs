@@ -154,9 +154,13 @@ impl QueuePair {
         result
     }
 
-    /// Raises an asynchronous event about this QP.
+    /// Raises an asynchronous event about this QP (called with its queues locked; nothing
+    /// once `destroy` cleared the handle, so no event can follow `ibv_destroy_qp`).
     fn raise(&self, event_type: u32) {
-        self.pd.context.raise(event_type, self.handle());
+        let handle = self.handle();
+        if handle != 0 {
+            self.pd.context.raise(event_type, handle);
+        }
     }
 
     pub fn state(&self) -> QpState {
@@ -179,6 +183,7 @@ impl QueuePair {
             q.sq.clear();
             q.rq.clear();
             q.state = QpState::Reset;
+            self.handle.store(0, Ordering::Release);
         });
         self.pd.release_child();
         self.send_cq.release_user();

@@ -25,6 +25,8 @@ pub(super) struct SendEntry {
     /// READ and atomics: where the response lands; they finish with their response, never
     /// with an ACK.
     pub(super) response_into: Option<SmallVec<[AppSpan; 4]>>,
+    /// A READ whose rendezvous response UCX is writing into `response_into` right now.
+    pub(super) pulling: bool,
 }
 
 /// A message body: the running handler's, or one kept until it can be delivered.
@@ -153,6 +155,9 @@ pub(super) struct Queues {
     pub(super) sqd_notify: bool,
     /// UC/UD: numbers receives in arrival order (their completions are released in it).
     pub(super) next_receive: u32,
+    /// IBV_EVENT_QP_LAST_WQE_REACHED was raised since the last RESET (once per entry into
+    /// ERR: a later modify to ERR, e.g. `rdma_disconnect` after the peer's, raises nothing).
+    pub(super) last_wqe_raised: bool,
 }
 
 /// Most messages a QP keeps for a receiver that is not yet ready (RTR) or has no WR posted.
@@ -202,6 +207,7 @@ impl Queues {
             comm_established: false,
             sqd_notify: false,
             next_receive: 0,
+            last_wqe_raised: false,
         }
     }
 }

@@ -34,15 +34,13 @@ impl QueuePair {
         match q.state {
             QpState::Reset => return Err(VerbsError::Invalid("post_recv on a QP in RESET")),
             QpState::Err => {
-                self.recv_cq.push(
-                    WorkCompletion::new(
-                        req.wr_id,
-                        WcStatus::WrFlushErr,
-                        WcOpcode::Recv,
-                        self.qp_num,
-                    ),
-                    true,
+                let wc = WorkCompletion::new(
+                    req.wr_id,
+                    WcStatus::WrFlushErr,
+                    WcOpcode::Recv,
+                    self.qp_num,
                 );
+                self.flushed_receive_in_order(q, wc);
                 return Ok(());
             }
             _ => {}
@@ -222,11 +220,12 @@ impl QueuePair {
         result: Result<usize, crate::ucp::Error>,
     ) {
         self.locked_then_send(locked, |q| {
-            if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq) {
+            let err = q.state == QpState::Err;
+            if let Some(l) = q.landing.iter_mut().find(|l| l.seq == seq && !l.landed) {
                 l.landed = true;
                 if let Err(e) = result {
                     tracing::debug!("qp {:#x}: rendezvous of seq {seq} failed: {e}", self.qp_num);
-                    if let Some(wc) = l.wc.as_mut() {
+                    if let Some(wc) = l.wc.as_mut().filter(|_| !err) {
                         wc.status = WcStatus::LocQpOpErr;
                     }
                 }
@@ -249,8 +248,26 @@ impl QueuePair {
             }
             last = Some(l.seq);
         }
-        if let Some(seq) = last {
+        if q.state == QpState::Err {
+            // Flushed: nothing is acknowledged any more; the SRQ hears of the last WQE.
+            self.last_wqe_reached(q);
+        } else if let Some(seq) = last {
             self.acknowledge(q, seq);
+        }
+    }
+
+    /// Completes a flushed receive WR after those still landing (see `flush`), in order.
+    pub(super) fn flushed_receive_in_order(&self, q: &mut Queues, wc: WorkCompletion) {
+        if q.landing.is_empty() {
+            self.recv_cq.push(wc, true);
+        } else {
+            q.landing.push_back(Landing {
+                seq: 0,
+                wc: Some(wc),
+                solicited: true,
+                landed: true,
+                then: None,
+            });
         }
     }
 
@@ -270,4 +287,13 @@ impl QueuePair {
         });
         self.release_landed(q);
     }
+}
+
+/// A receive completion turned into its flush (no length, no flags).
+pub(super) fn flushed_receive(wc: &WorkCompletion) -> WorkCompletion {
+    let mut wc = *wc;
+    wc.status = WcStatus::WrFlushErr;
+    wc.byte_len = 0;
+    wc.wc_flags = 0;
+    wc
 }

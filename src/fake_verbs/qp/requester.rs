@@ -64,14 +64,28 @@ impl QueuePair {
         match q.state {
             QpState::Rts | QpState::Sqd => {}
             QpState::Err | QpState::Sqe => {
-                let mut wc = WorkCompletion::new(
-                    req.wr_id,
-                    WcStatus::WrFlushErr,
-                    req.opcode.completion_opcode(),
-                    self.qp_num,
-                );
-                wc.byte_len = 0;
-                self.send_cq.push(wc, true);
+                if q.state == QpState::Sqe || q.sq.is_empty() {
+                    let mut wc = WorkCompletion::new(
+                        req.wr_id,
+                        WcStatus::WrFlushErr,
+                        req.opcode.completion_opcode(),
+                        self.qp_num,
+                    );
+                    wc.byte_len = 0;
+                    self.send_cq.push(wc, true);
+                } else {
+                    // Behind a READ still landing (see `flush`), in post order.
+                    q.sq.push_back(SendEntry {
+                        wr_id: req.wr_id,
+                        opcode: req.opcode.completion_opcode(),
+                        signaled: true,
+                        seq: q.next_send_seq.wrapping_sub(1),
+                        byte_len: 0,
+                        outcome: Some(WcStatus::WrFlushErr),
+                        response_into: None,
+                        pulling: false,
+                    });
+                }
                 return Ok(None);
             }
             _ => return Err(VerbsError::Invalid("post_send on a QP that is not in RTS")),
@@ -140,6 +154,7 @@ impl QueuePair {
             byte_len: length as u32,
             outcome: None,
             response_into: None,
+            pulling: false,
         });
         let payload = match (op, req.inline_data) {
             (_, Some(bytes)) => SendPayload::Owned(bytes),
@@ -360,6 +375,7 @@ impl QueuePair {
             byte_len: length as u32,
             outcome: Some(WcStatus::Success),
             response_into: None,
+            pulling: false,
         });
         self.release_send_completions(q);
         Some(None)

@@ -1,8 +1,10 @@
 //! The state machine applied to a queue pair (`ibv_modify_qp`; the table itself is
 //! [`crate::fake_verbs::qp_state`]): what entering each state does to the queues, and the
-//! events a state change raises (COMM_EST, SQ_DRAINED, QP_FATAL).
+//! events a state change raises (COMM_EST, SQ_DRAINED, QP_FATAL, LAST_WQE_REACHED).
 
-use super::super::context::{EVENT_COMM_EST, EVENT_QP_FATAL, EVENT_SQ_DRAINED};
+use super::super::context::{
+    EVENT_COMM_EST, EVENT_QP_FATAL, EVENT_QP_LAST_WQE_REACHED, EVENT_SQ_DRAINED,
+};
 use super::super::qp_state::{QpState, QpType, TransitionError, check_transition};
 use super::super::work::WcStatus;
 use super::super::{VerbsError, device};
@@ -106,6 +108,7 @@ impl QueuePair {
                 q.comm_established = false;
                 q.sqd_notify = false;
                 q.next_receive = 0;
+                q.last_wqe_raised = false;
                 q.attrs = QpAttributes {
                     port_num: device::PORT_NUM,
                     ..Default::default()
@@ -159,6 +162,20 @@ impl QueuePair {
         }
     }
 
+    /// IBA 11.6.3: a QP on an SRQ that went to ERR will take no more of its WRs. Raised once
+    /// its flushed receive completions are on the CQ, once per entry into ERR (rdmavt and rxe
+    /// raise it on the transition only; a later modify to ERR raises nothing).
+    pub(super) fn last_wqe_reached(&self, q: &mut Queues) {
+        if self.srq.is_some()
+            && q.state == QpState::Err
+            && q.landing.is_empty()
+            && !q.last_wqe_raised
+        {
+            q.last_wqe_raised = true;
+            self.raise(EVENT_QP_LAST_WQE_REACHED);
+        }
+    }
+
     /// Moves the QP to ERR because of a failure the engine saw (peer gone, transport error):
     /// an error not caused by one work request, so IBV_EVENT_QP_FATAL as well.
     pub fn fail(self: &Arc<Self>, locked: &LockedWorker<'_>, status: WcStatus) {
@@ -167,7 +184,7 @@ impl QueuePair {
                 return;
             }
             self.raise(EVENT_QP_FATAL);
-            if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none()) {
+            if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none() && !e.pulling) {
                 e.outcome = Some(status);
             }
             self.release_send_completions(q);
