@@ -344,24 +344,32 @@ impl CmId {
     }
 
     /// `rdma_disconnect` as the application calls it: the id's QP goes to ERR first (its
-    /// work requests flush), then DREQ.
-    pub fn disconnect_with(self: &Arc<Self>, qp: Option<&dyn IdQp>) -> Result<(), CmError> {
+    /// work requests flush), then DREQ. Returns whether a DISCONNECTED event will follow
+    /// (see [`CmId::disconnect`]).
+    pub fn disconnect_with(self: &Arc<Self>, qp: Option<&dyn IdQp>) -> Result<bool, CmError> {
         if let Some(qp) = qp {
             move_to_error(qp);
         }
         self.disconnect()
     }
 
-    /// Sends DREQ; DISCONNECTED follows when the peer answers (or goes). Disconnecting twice
-    /// is harmless, as with the kernel CM.
-    pub fn disconnect(self: &Arc<Self>) -> Result<(), CmError> {
+    /// Sends DREQ; DISCONNECTED follows when the peer answers (or goes). Returns whether a
+    /// DISCONNECTED event will follow. As with the kernel CM, any id that started a
+    /// connection exchange may disconnect: twice, after the peer did, after a reject or
+    /// failure, or before the exchange finished (then nothing is sent, since the IB CM sends
+    /// DREQ only when established, and no event follows; a REP arriving later finds the QP in
+    /// ERR and ends in CONNECT_ERROR).
+    pub fn disconnect(self: &Arc<Self>) -> Result<bool, CmError> {
         if self.is_ud() {
             return Err(CmError::Invalid("a UD id has no connection"));
         }
         let mut s = self.state();
         match s.phase {
             Phase::Connected | Phase::ReplyReceived | Phase::ReplySent => {}
-            Phase::Disconnecting | Phase::Disconnected => return Ok(()),
+            Phase::Disconnecting | Phase::Disconnected => return Ok(true),
+            Phase::Connecting | Phase::RequestReceived | Phase::Rejected | Phase::Failed => {
+                return Ok(false);
+            }
             _ => return Err(CmError::Invalid("not connected")),
         }
         s.phase = Phase::Disconnecting;
@@ -373,7 +381,7 @@ impl CmId {
         if !sent {
             self.finish_disconnect();
         }
-        Ok(())
+        Ok(true)
     }
 }
 

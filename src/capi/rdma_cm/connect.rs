@@ -180,8 +180,11 @@ pub unsafe extern "C" fn rdma_disconnect(id: *mut rdma_cm_id) -> c_int {
             return fail(libc::EINVAL);
         };
         let qp = VerbsQp::of(shell);
-        if let Err(e) = shell.inner.disconnect_with(dyn_qp(&qp)) {
-            return cm_status(Err(e));
+        match shell.inner.disconnect_with(dyn_qp(&qp)) {
+            Err(e) => return cm_status(Err(e)),
+            // No connection to tear down yet (or any more): nothing for a sync id to wait for.
+            Ok(false) => return 0,
+            Ok(true) => {}
         }
         if shell.disconnect_waited.swap(true, Ordering::AcqRel) {
             return 0;
