@@ -1,7 +1,8 @@
 //! Asynchronous events where hardware raises them: COMM_EST (first message in RTR),
 //! SQ_DRAINED (SQD with notification), QP_ACCESS_ERR and QP_REQ_ERR (responder class C
 //! errors), QP_FATAL (the peer's process is gone). Each event names its QP, and none comes
-//! twice.
+//! twice. As with the kernel: destroying a QP or CQ drops its unread events (and only its),
+//! and waits while the application holds one it has not acknowledged.
 
 mod fixture;
 mod harness;
@@ -26,26 +27,6 @@ fn next_event(ctx: *mut ibv_context) -> ibv_async_event {
     let mut ev = ibv_async_event::default();
     assert_eq!(unsafe { ibv_get_async_event(ctx, &mut ev) }, 0);
     ev
-}
-
-/// Asserts that no further event is queued (the async fd made non-blocking).
-fn assert_no_event(ctx: *mut ibv_context) {
-    let fd = unsafe { (*ctx).async_fd };
-    unsafe {
-        libc::fcntl(
-            fd,
-            libc::F_SETFL,
-            libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK,
-        )
-    };
-    let mut ev = ibv_async_event::default();
-    let got = unsafe { ibv_get_async_event(ctx, &mut ev) };
-    assert_eq!(
-        (got, errno()),
-        (-1, libc::EAGAIN),
-        "unexpected event {}",
-        ev.event_type.0
-    );
 }
 
 fn assert_qp_event(ev: &mut ibv_async_event, event_type: ibv_event_type, qp: *mut ibv_qp) {
@@ -93,7 +74,7 @@ fn the_first_message_in_rtr_raises_comm_est_once() {
         ibv_event_type::IBV_EVENT_COMM_EST,
         b,
     );
-    assert_no_event(dev.ctx);
+    assert_no_async_event(dev.ctx);
 }
 
 #[test]
@@ -121,7 +102,7 @@ fn sqd_with_notification_raises_sq_drained() {
         unsafe { ibv_modify_qp(lb.b, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int,) },
         0
     );
-    assert_no_event(lb.dev.ctx);
+    assert_no_async_event(lb.dev.ctx);
 }
 
 #[test]
@@ -154,7 +135,7 @@ fn a_remote_access_violation_raises_qp_access_err_at_the_responder() {
         lb.b,
     );
     assert_eq!(qp_state(lb.b), ibv_qp_state::IBV_QPS_ERR.0);
-    assert_no_event(lb.dev.ctx);
+    assert_no_async_event(lb.dev.ctx);
 }
 
 #[test]
@@ -190,7 +171,7 @@ fn a_send_longer_than_the_receive_raises_qp_req_err_at_the_responder() {
         ibv_event_type::IBV_EVENT_QP_REQ_ERR,
         lb.b,
     );
-    assert_no_event(lb.dev.ctx);
+    assert_no_async_event(lb.dev.ctx);
 }
 
 /// The client half of ibv_rc_pingpong's address exchange: "LID:QPN:PSN:GID" both ways.
@@ -217,8 +198,9 @@ fn exchange(port: u16, lid: u16, qpn: u32) -> (u16, u32) {
     (rlid, rqpn)
 }
 
-#[test]
-fn a_peer_process_that_dies_raises_qp_fatal() {
+/// An RC QP connected to an ibv_rc_pingpong server process, and that process (dropping it
+/// kills it).
+fn connected_to_a_peer_process() -> (Device, *mut ibv_qp, harness::Guarded) {
     let port = harness::free_port();
     let mut server = harness::Guarded::spawn(
         harness::preloaded(
@@ -233,8 +215,124 @@ fn a_peer_process_that_dies_raises_qp_fatal() {
     let (rlid, rqpn) = exchange(port, dev.lid, qp_num(qp));
     connect(qp, rlid, rqpn);
     server.assert_running();
+    (dev, qp, server)
+}
+
+#[test]
+fn a_peer_process_that_dies_raises_qp_fatal() {
+    let (dev, qp, server) = connected_to_a_peer_process();
     drop(server); // kills the server's process group
     let mut ev = next_event(dev.ctx);
     assert_qp_event(&mut ev, ibv_event_type::IBV_EVENT_QP_FATAL, qp);
     assert_eq!(qp_state(qp), ibv_qp_state::IBV_QPS_ERR.0);
+}
+
+/// Whether the async fd polls readable right now.
+fn async_fd_readable(ctx: *mut ibv_context) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: unsafe { (*ctx).async_fd },
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    unsafe { libc::poll(&mut pfd, 1, 0) == 1 }
+}
+
+/// Waits (at most 10 s) until an event is queued, without reading it.
+fn wait_readable(ctx: *mut ibv_context) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !async_fd_readable(ctx) {
+        assert!(Instant::now() < deadline, "no async event within 10 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// SQD with notification: queues IBV_EVENT_SQ_DRAINED for an idle `qp` at once.
+fn queue_sq_drained(qp: *mut ibv_qp) {
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_SQD,
+        en_sqd_async_notify: 1,
+        ..Default::default()
+    };
+    let mask = ibv_qp_attr_mask::IBV_QP_STATE.0 | ibv_qp_attr_mask::IBV_QP_EN_SQD_ASYNC_NOTIFY.0;
+    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, mask as c_int) }, 0);
+}
+
+/// Two idle RC QPs connected to each other on one CQ.
+fn idle_pair(dev: &Device) -> (*mut ibv_cq, *mut ibv_qp, *mut ibv_qp) {
+    let cq = dev.cq(16);
+    let a = dev.rc_qp(cq, cq, 8);
+    let b = dev.rc_qp(cq, cq, 8);
+    connect(a, dev.lid, qp_num(b));
+    connect(b, dev.lid, qp_num(a));
+    (cq, a, b)
+}
+
+#[test]
+fn destroying_a_qp_drops_its_unread_events_and_no_others() {
+    let dev = Device::open();
+    let (cq, a, b) = idle_pair(&dev);
+    queue_sq_drained(a);
+    queue_sq_drained(b);
+    assert!(async_fd_readable(dev.ctx));
+    assert_eq!(unsafe { ibv_destroy_qp(a) }, 0);
+    // Only b's event is left, and after it the fd is not readable: no byte without an event.
+    assert_qp_event(
+        &mut next_event(dev.ctx),
+        ibv_event_type::IBV_EVENT_SQ_DRAINED,
+        b,
+    );
+    assert!(!async_fd_readable(dev.ctx));
+    assert_no_async_event(dev.ctx);
+    assert_eq!(unsafe { ibv_destroy_qp(b) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(cq) }, 0);
+}
+
+#[test]
+fn destroying_a_qp_waits_until_its_events_are_acknowledged() {
+    let dev = Device::open();
+    let (cq, a, b) = idle_pair(&dev);
+    queue_sq_drained(a);
+    let mut ev = next_event(dev.ctx);
+    assert_eq!(ev.event_type, ibv_event_type::IBV_EVENT_SQ_DRAINED);
+    let qp = a as usize;
+    let destroyer = std::thread::spawn(move || unsafe { ibv_destroy_qp(qp as *mut ibv_qp) });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !destroyer.is_finished(),
+        "ibv_destroy_qp returned while the application held an unacknowledged event about it"
+    );
+    unsafe { ibv_ack_async_event(&mut ev) };
+    assert_eq!(destroyer.join().unwrap(), 0);
+    // Another QP's events are not waited for: b is destroyed while nothing about it is held.
+    assert_eq!(unsafe { ibv_destroy_qp(b) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(cq) }, 0);
+    assert_no_async_event(dev.ctx);
+}
+
+#[test]
+fn a_qp_destroyed_before_its_qp_fatal_was_read_leaves_no_event() {
+    let (dev, qp, server) = connected_to_a_peer_process();
+    drop(server);
+    wait_readable(dev.ctx); // QP_FATAL is queued, not read
+    assert_eq!(unsafe { ibv_destroy_qp(qp) }, 0);
+    assert!(!async_fd_readable(dev.ctx));
+    assert_no_async_event(dev.ctx);
+}
+
+#[test]
+fn destroying_a_cq_drops_its_unread_cq_err() {
+    let dev = Device::open();
+    let (small, cq_b, a, b) = connected_pair(&dev, 1, 16);
+    let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
+    signaled_sends(a, b, &buf, 4);
+    poll_n(cq_b, 4);
+    wait_readable(dev.ctx); // the overrun's CQ_ERR, not read
+    unsafe {
+        assert_eq!(ibv_destroy_qp(a), 0);
+        assert_eq!(ibv_destroy_qp(b), 0);
+        assert_eq!(ibv_destroy_cq(small), 0);
+        assert_eq!(ibv_destroy_cq(cq_b), 0);
+    }
+    assert!(!async_fd_readable(dev.ctx));
+    assert_no_async_event(dev.ctx);
 }

@@ -293,6 +293,70 @@ fn a_reject_carries_private_data_back_to_the_requester() {
     }
 }
 
+/// nvme_rdma and nvmf tear a qpair down with rdma_disconnect whatever became of its
+/// connection. As with librdmacm and the kernel CM: an id that never started a connection
+/// cannot disconnect (EINVAL); one whose REQ is unanswered can (its QP goes to ERR; the IB CM
+/// sends DREQ only once established, so no DISCONNECTED follows, and the answer then finds
+/// the QP in ERR: CONNECT_ERROR); so can one that was rejected, or whose connection failed.
+#[test]
+fn rdma_disconnect_works_before_the_answer_after_a_reject_and_after_a_failure() {
+    let server = Cm::new();
+    let client = Cm::new();
+    let (listener, port) = server.listener(4);
+    let idle = client.id();
+    assert_eq!(unsafe { rdma_disconnect(idle) }, -1);
+    assert_eq!(errno(), libc::EINVAL);
+
+    let id = client.resolved(port);
+    let qp = cm_qp(id);
+    let mut p = conn_param(b"spdk");
+    assert_eq!(unsafe { rdma_connect(id, &mut p) }, 0);
+    let req = expect(server.ch, K::RDMA_CM_EVENT_CONNECT_REQUEST);
+    assert_eq!(unsafe { rdma_disconnect(id) }, 0, "errno {}", errno());
+    assert_eq!(qp_state(qp), ibv_qp_state::IBV_QPS_ERR.0);
+    let sqp = cm_qp(req.id);
+    let mut p = conn_param(&[]);
+    assert_eq!(unsafe { rdma_accept(req.id, &mut p) }, 0);
+    let e = expect(client.ch, K::RDMA_CM_EVENT_CONNECT_ERROR);
+    assert_eq!(e.id, id);
+    assert_eq!(
+        unsafe { rdma_disconnect(id) },
+        0,
+        "again, after CONNECT_ERROR"
+    );
+    // The passive side never sees the connection established: the requester gave it up.
+    let gone = next_event(server.ch);
+    assert_eq!(gone.id, req.id);
+    assert!(
+        [
+            K::RDMA_CM_EVENT_UNREACHABLE.0,
+            K::RDMA_CM_EVENT_REJECTED.0,
+            K::RDMA_CM_EVENT_CONNECT_ERROR.0
+        ]
+        .contains(&gone.kind),
+        "{gone:?}"
+    );
+    assert_eq!(unsafe { rdma_disconnect(req.id) }, 0, "after a failure");
+    assert_eq!(qp_state(sqp), ibv_qp_state::IBV_QPS_ERR.0);
+
+    let rejected = client.resolved(port);
+    let rqp = cm_qp(rejected);
+    let mut p = conn_param(&[]);
+    assert_eq!(unsafe { rdma_connect(rejected, &mut p) }, 0);
+    let req2 = expect(server.ch, K::RDMA_CM_EVENT_CONNECT_REQUEST);
+    assert_eq!(unsafe { rdma_reject(req2.id, null_mut(), 0) }, 0);
+    expect(client.ch, K::RDMA_CM_EVENT_REJECTED);
+    assert_eq!(unsafe { rdma_disconnect(rejected) }, 0, "after a reject");
+    assert_eq!(qp_state(rqp), ibv_qp_state::IBV_QPS_ERR.0);
+
+    for i in [id, req.id, rejected] {
+        unsafe { rdma_destroy_qp(i) };
+    }
+    for i in [idle, id, req.id, rejected, req2.id, listener] {
+        assert_eq!(unsafe { rdma_destroy_id(i) }, 0);
+    }
+}
+
 #[test]
 fn a_non_blocking_channel_reports_eagain_and_polls_readable_only_with_an_event() {
     let cm = Cm::new();

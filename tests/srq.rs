@@ -147,16 +147,16 @@ fn messages_wait_for_srq_receives() {
     );
 }
 
-#[test]
-fn srq_limit_event_fires_once_when_armed() {
-    let dev = Device::open();
-    let srq = create_srq(&dev, 16);
+/// An SRQ (16 WRs) holding 4 receives with its limit armed at 3, an RC QP `r` on it and its
+/// peer `s`, both on `cq`: (srq, cq, r, s, buffer).
+fn limit_armed(dev: &Device) -> (*mut ibv_srq, *mut ibv_cq, *mut ibv_qp, *mut ibv_qp, Buffer) {
+    let srq = create_srq(dev, 16);
     let cq = dev.cq(64);
-    let r = srq_qp(&dev, cq, srq);
+    let r = srq_qp(dev, cq, srq);
     let s = dev.rc_qp(cq, cq, 8);
     connect(r, dev.lid, qp_num(s));
     connect(s, dev.lid, qp_num(r));
-    let buf = Buffer::new(&dev, 512, LOCAL_WRITE);
+    let buf = Buffer::new(dev, 512, LOCAL_WRITE);
     for i in 0..4 {
         assert_eq!(post_srq(srq, i, buf.sge(i as usize * 64, 64)), 0);
     }
@@ -169,6 +169,25 @@ fn srq_limit_event_fires_once_when_armed() {
         unsafe { ibv_modify_srq(srq, &mut a, ibv_srq_attr_mask::IBV_SRQ_LIMIT.0 as c_int) },
         0
     );
+    (srq, cq, r, s, buf)
+}
+
+/// Two unsignaled SENDs from `s`, received (through the SRQ) and polled on `cq`.
+fn two_messages(s: *mut ibv_qp, cq: *mut ibv_cq, buf: &Buffer) {
+    let mut sge = [buf.sge(300, 8)];
+    for i in 0..2 {
+        assert_eq!(
+            post_one_send(s, &mut send_wr(i, &mut sge, ibv_wr_opcode::IBV_WR_SEND, 0)),
+            0
+        );
+    }
+    poll_n(cq, 2);
+}
+
+#[test]
+fn srq_limit_event_fires_once_when_armed() {
+    let dev = Device::open();
+    let (srq, cq, _r, s, buf) = limit_armed(&dev);
     let mut q = ibv_srq_attr::default();
     assert_eq!(unsafe { ibv_query_srq(srq, &mut q) }, 0);
     assert_eq!((q.max_wr, q.srq_limit), (16, 3));
@@ -187,14 +206,7 @@ fn srq_limit_event_fires_once_when_armed() {
         },
         libc::EINVAL
     );
-    let mut sge = [buf.sge(300, 8)];
-    for i in 0..2 {
-        assert_eq!(
-            post_one_send(s, &mut send_wr(i, &mut sge, ibv_wr_opcode::IBV_WR_SEND, 0)),
-            0
-        );
-    }
-    poll_n(cq, 2);
+    two_messages(s, cq, &buf);
     let mut ev = ibv_async_event::default();
     assert_eq!(unsafe { ibv_get_async_event(dev.ctx, &mut ev) }, 0);
     assert_eq!(ev.event_type, ibv_event_type::IBV_EVENT_SRQ_LIMIT_REACHED);
@@ -213,16 +225,59 @@ fn srq_limit_event_fires_once_when_armed() {
     assert_eq!(errno(), libc::EAGAIN);
 }
 
+fn last_wqe_event(ctx: *mut ibv_context, qp: *mut ibv_qp) {
+    let mut ev = ibv_async_event::default();
+    assert_eq!(unsafe { ibv_get_async_event(ctx, &mut ev) }, 0);
+    assert_eq!(ev.event_type, ibv_event_type::IBV_EVENT_QP_LAST_WQE_REACHED);
+    assert_eq!(unsafe { ev.element.qp }, qp);
+    unsafe { ibv_ack_async_event(&mut ev) };
+}
+
+/// SPDK's teardown: the peer's disconnect moves the QP to ERR, then its own rdma_disconnect
+/// moves it to ERR again. The kernel raises LAST_WQE_REACHED once (on the transition); a
+/// second one, read after the QP was freed, was SPDK's use-after-free.
 #[test]
-fn a_qp_on_an_srq_entering_err_raises_last_wqe_reached() {
+fn a_qp_on_an_srq_raises_last_wqe_reached_once_per_entry_into_err() {
     let dev = Device::open();
     let srq = create_srq(&dev, 4);
     let cq = dev.cq(16);
     let r = srq_qp(&dev, cq, srq);
     connect(r, dev.lid, 0x123);
     to_error(r);
-    let mut ev = ibv_async_event::default();
-    assert_eq!(unsafe { ibv_get_async_event(dev.ctx, &mut ev) }, 0);
-    assert_eq!(ev.event_type, ibv_event_type::IBV_EVENT_QP_LAST_WQE_REACHED);
-    assert_eq!(unsafe { ev.element.qp }, r);
+    last_wqe_event(dev.ctx, r);
+    to_error(r);
+    assert_no_async_event(dev.ctx);
+    // After RESET the QP may be used again, and entering ERR again is a new cause.
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_RESET,
+        ..Default::default()
+    };
+    assert_eq!(
+        unsafe { ibv_modify_qp(r, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) },
+        0
+    );
+    connect(r, dev.lid, 0x123);
+    to_error(r);
+    last_wqe_event(dev.ctx, r);
+    assert_no_async_event(dev.ctx);
+    unsafe {
+        assert_eq!(ibv_destroy_qp(r), 0);
+        assert_eq!(ibv_destroy_srq(srq), 0);
+        assert_eq!(ibv_destroy_cq(cq), 0);
+    }
+}
+
+#[test]
+fn destroying_a_qp_or_srq_drops_its_unread_events() {
+    let dev = Device::open();
+    let (srq, cq, r, s, buf) = limit_armed(&dev);
+    two_messages(s, cq, &buf); // SRQ_LIMIT_REACHED is queued now
+    to_error(r); // and LAST_WQE_REACHED
+    unsafe {
+        assert_eq!(ibv_destroy_qp(r), 0);
+        assert_eq!(ibv_destroy_qp(s), 0);
+        assert_eq!(ibv_destroy_srq(srq), 0);
+        assert_eq!(ibv_destroy_cq(cq), 0);
+    }
+    assert_no_async_event(dev.ctx);
 }

@@ -589,21 +589,9 @@ fn completion_channel_fires_without_polling_and_respects_arming() {
 fn cq_overrun_raises_cq_err_async_event() {
     let dev = Device::open();
     unsafe {
-        let cq_a = dev.cq(2);
-        let cq_b = dev.cq(64);
-        let a = dev.rc_qp(cq_a, cq_a, 8);
-        let b = dev.rc_qp(cq_b, cq_b, 8);
-        connect(a, dev.lid, qp_num(b));
-        connect(b, dev.lid, qp_num(a));
+        let (cq_a, cq_b, a, b) = connected_pair(&dev, 2, 64);
         let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
-        for i in 0..4 {
-            assert_eq!(post_one_recv(b, i, &mut [buf.sge(0, 8)]), 0);
-            let mut sge = [buf.sge(8, 8)];
-            assert_eq!(
-                post_one_send(a, &mut send_wr(i, &mut sge, SEND, SIGNALED)),
-                0
-            );
-        }
+        signaled_sends(a, b, &buf, 4);
         poll_n(cq_b, 4);
         let mut ev = ibv_async_event::default();
         assert_eq!(ibv_get_async_event(dev.ctx, &mut ev), 0);
