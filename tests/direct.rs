@@ -39,13 +39,17 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 6] = [
+    let cases: [(&str, fn()); 7] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
         ),
         ("refused_accesses_go_to_the_responder_and_fail", refusals),
         ("nothing_lands_after_deregistration_returns", dereg_race),
+        (
+            "memory_registered_again_after_deregistration_is_direct_again",
+            reregistered,
+        ),
         ("a_send_after_a_direct_write_finds_its_data", ordering),
         ("ugdr_direct_off_uses_messages", direct_off),
         (
@@ -86,6 +90,9 @@ fn dereg_race() {
 }
 fn ordering() {
     run("ordering", &[], Requester::Privileged);
+}
+fn reregistered() {
+    run("reregistered", &[], Requester::Privileged);
 }
 fn direct_off() {
     run("fallback", &[("UGDR_DIRECT", "off")], Requester::Privileged);
@@ -392,6 +399,10 @@ fn target_role() {
                 let same = snapshot == rw.bytes();
                 out(if same { "stable" } else { "changed" });
             }
+            "reg" => {
+                rw_mr = rw.reg(&dev, LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ);
+                out(&format!("rkey {}", unsafe { (*rw_mr).rkey }));
+            }
             "order" => {
                 let n = fields(&line)[0] as usize;
                 let verdict = check_order(qp, cq, &recv, recv_mr, &rw, n);
@@ -592,6 +603,7 @@ fn requester_role(scenario: &str) {
             "dereg_race" => scenario_dereg_race(&mut relay, &mut link),
             "ordering" => scenario_ordering(&mut relay, &mut link),
             "fallback" => scenario_fallback(&mut relay, &mut link),
+            "reregistered" => scenario_reregistered(&mut relay, &mut link),
             other => panic!("unknown scenario {other}"),
         }
     }));
@@ -850,4 +862,32 @@ fn scenario_fallback(relay: &mut Relay, link: &mut Link) {
     );
     let want = fnv(&link.local.bytes()[..8192]);
     assert_eq!(relay.ask("hash 0 8192"), format!("hash {want}"));
+}
+
+fn scenario_reregistered(relay: &mut Relay, link: &mut Link) {
+    assert_eq!(relay.ask("dereg"), "stable");
+    let rkey = fields(&relay.ask("reg"))[0] as u32;
+    assert_ne!(rkey, link.rw_rkey, "a new registration gets a new rkey");
+    fill(link, 3 * PAGE, 0x77);
+    relay.signal("stop-target");
+    let mut sge = [link.sge(0, 3 * PAGE)];
+    link.post(
+        8,
+        ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        &mut sge,
+        link.rw_addr,
+        rkey,
+    );
+    link.expect(
+        8,
+        ibv_wc_status::IBV_WC_SUCCESS,
+        ibv_wc_opcode::IBV_WC_RDMA_WRITE,
+        "write to the memory registered again, target stopped",
+    );
+    relay.signal("cont-target");
+    let want = fnv(&link.local.bytes()[..3 * PAGE]);
+    assert_eq!(
+        relay.ask(&format!("hash 0 {}", 3 * PAGE)),
+        format!("hash {want}")
+    );
 }

@@ -127,8 +127,10 @@ impl LocalMemory {
     /// one (the pages move onto a memfd). None when the memory cannot be shared.
     fn backing_for(&self, addr: u64, len: u64) -> Option<Arc<Backing>> {
         let mut backings = self.backings.lock().unwrap_or_else(|p| p.into_inner());
-        // Forget backings nobody registers any more (the application keeps its mapping).
-        backings.retain(|b| Arc::strong_count(b) > 1);
+        // Keep a backing while an MR uses it or the application still maps it (so memory
+        // registered again after a deregistration finds it); forget it once unmapped.
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        backings.retain(|b| Arc::strong_count(b) > 1 || b.still_mapped(&maps));
         let end = addr.checked_add(len)?;
         if let Some(b) = backings.iter().find(|b| b.covers_pages_of(addr, end)) {
             return Some(Arc::clone(b));

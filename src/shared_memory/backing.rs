@@ -114,6 +114,36 @@ impl Backing {
         addr - self.base
     }
 
+    /// Whether the application still maps this backing's pages from its memfd (`maps` is the
+    /// text of `/proc/self/maps`): then a new registration of the same memory can reuse it.
+    pub fn still_mapped(&self, maps: &str) -> bool {
+        let ino = self.ino.to_string();
+        let mut covered = self.base;
+        let end = self.base + self.len;
+        for line in maps.lines() {
+            let mut f = line.split_whitespace();
+            let (Some(range), Some(_), Some(_), Some(_), Some(inode)) =
+                (f.next(), f.next(), f.next(), f.next(), f.next())
+            else {
+                continue;
+            };
+            let Some((lo, hi)) = range.split_once('-') else {
+                continue;
+            };
+            let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16))
+            else {
+                continue;
+            };
+            if inode == ino && lo <= covered && hi > covered {
+                covered = hi;
+                if covered >= end {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
     /// Whether the whole pages inside `[addr, end)` overlap this backing.
     pub fn overlaps(&self, addr: u64, end: u64) -> bool {
         whole_pages(addr, end).is_some_and(|(s, e)| s < self.base + self.len && e > self.base)
@@ -305,6 +335,11 @@ mod tests {
         );
         assert!(backing.covers_pages_of(start + 4096, start + 3 * 4096 + 7));
         assert!(!backing.covers_pages_of(start, start + 4 * 4096));
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(
+            backing.still_mapped(&maps),
+            "the application maps the memfd now"
+        );
         assert!(buf.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
         let peer =
             PeerBacking::open(std::process::id() as i32, backing.fd(), backing.ino()).unwrap();
