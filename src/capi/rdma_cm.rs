@@ -4,7 +4,7 @@
 //! them in the same calls), and drives the QP through INIT/RTR/RTS with `ibv_modify_qp` as
 //! librdmacm does. rdma-core's convention: 0, or -1 with errno.
 
-use super::boundary::{ffi_boundary, set_errno};
+use super::boundary::{Attempt, blocking, ffi_boundary, set_errno};
 use super::ibv_cq::{
     ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel, ibv_destroy_cq,
 };
@@ -494,6 +494,16 @@ fn next_event(channel: &ChannelShell) -> Result<*mut rdma_cm_event, c_int> {
     }
 }
 
+/// Like `next_event`, without blocking: `None` while no event is queued.
+fn try_next_event(channel: &ChannelShell) -> Result<Option<*mut rdma_cm_event>, c_int> {
+    while let Some(event) = channel.inner.try_next().map_err(|e| e.errno())? {
+        if let Some(ev) = convert_event(event) {
+            return Ok(Some(ev));
+        }
+    }
+    Ok(None)
+}
+
 fn convert_event(event: CmEvent) -> Option<*mut rdma_cm_event> {
     let CmEvent {
         id,
@@ -800,39 +810,56 @@ pub unsafe extern "C" fn rdma_migrate_id(
     })
 }
 
+/// Blocks until the next event (EAGAIN on a non-blocking channel). The wait is a cancellation
+/// point, as librdmacm's `read()` (see `boundary`); while it waits, the thread keeps the
+/// channel's fds open, as the kernel keeps a file open under a blocked read.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rdma_get_cm_event(
+pub unsafe extern "C-unwind" fn rdma_get_cm_event(
     channel: *mut rdma_event_channel,
     event: *mut *mut rdma_cm_event,
 ) -> c_int {
-    cm_boundary!("rdma_get_cm_event", {
-        let Some(ch) = our_channel(channel) else {
-            let retired = RETIRED_CHANNELS
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains(&(channel as usize));
-            if retired {
-                // A thread that comes back for the next event just after another destroyed
-                // the channel (rping 44's CM thread does at exit). With the kernel that call
-                // was usually in flight already and stays blocked until the process exits;
-                // here it waits a while for that exit, then fails as a closed fd does.
-                std::thread::sleep(RETIRED_GRACE);
-                return fail(libc::EBADF);
+    let mut waiting_on: Option<Arc<EventChannel>> = None;
+    blocking(
+        "rdma_get_cm_event",
+        || fail(libc::EIO),
+        |_| {
+            let Some(ch) = our_channel(channel) else {
+                let retired = RETIRED_CHANNELS
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains(&(channel as usize));
+                if retired {
+                    // A thread that comes back for the next event just after another destroyed
+                    // the channel (rping 44's CM thread does at exit). With the kernel that call
+                    // was usually in flight already and stays blocked until the process exits;
+                    // here it waits a while for that exit, then fails as a closed fd does.
+                    std::thread::sleep(RETIRED_GRACE);
+                    return Attempt::Done(fail(libc::EBADF));
+                }
+                return Attempt::Done(fail(libc::EINVAL));
+            };
+            if event.is_null() {
+                return Attempt::Done(fail(libc::EINVAL));
             }
-            return fail(libc::EINVAL);
-        };
-        if event.is_null() {
-            return fail(libc::EINVAL);
-        }
-        match next_event(ch) {
-            Ok(ev) => {
-                // SAFETY: checked non-NULL; the caller's out-pointer.
-                unsafe { *event = ev };
-                0
+            match try_next_event(ch) {
+                Ok(Some(ev)) => {
+                    // SAFETY: checked non-NULL; the caller's out-pointer.
+                    unsafe { *event = ev };
+                    Attempt::Done(0)
+                }
+                Ok(None) if ch.inner.is_nonblocking() => Attempt::Done(fail(libc::EAGAIN)),
+                Ok(None) => {
+                    waiting_on = Some(Arc::clone(&ch.inner));
+                    Attempt::Wait {
+                        fds: [ch.inner.fd(), -1],
+                        count: 1,
+                        timeout_ms: -1,
+                    }
+                }
+                Err(errno) => Attempt::Done(fail(errno)),
             }
-            Err(errno) => fail(errno),
-        }
-    })
+        },
+    )
 }
 
 #[unsafe(no_mangle)]
