@@ -11,6 +11,7 @@ mod ibv_pd_mr;
 mod ibv_qp;
 mod ibv_srq;
 pub(crate) mod layout;
+mod libc_memory;
 mod ops;
 mod passthrough;
 mod rdma_addrinfo;

@@ -6,6 +6,7 @@
 
 use super::boundary::{Fallback, ffi_boundary, set_errno, status};
 use super::ibv_device::shut_down_at_exit;
+use super::ibv_pd_mr::register_host;
 use super::ibv_qp::{AppSge, read_sges};
 use crate::engine::Engine;
 use crate::fake_verbs::VerbsError;
@@ -18,10 +19,9 @@ use crate::fake_verbs::qp::{QpCaps, QueuePair};
 use crate::fake_verbs::qp_state::QpType;
 use crate::fake_verbs::work::{RecvRequest, SendRequest, Sge, WorkCompletion};
 use crate::topology;
-use crate::ucp::AppRegion;
 use crate::ugdr::address::{ADDR_LEN, PortAddress};
 use crate::ugdr::modify::{UgdrModify, plan};
-use crate::ugdr::{self as core, SEND_INLINE, SEND_SIGNALED, host_memory};
+use crate::ugdr::{self as core, SEND_INLINE, SEND_SIGNALED};
 use std::collections::HashMap;
 use std::mem::{offset_of, size_of};
 use std::os::raw::{c_char, c_int, c_void};
@@ -427,11 +427,7 @@ pub unsafe extern "C" fn ugdr_reg_mr(
                     "GPU memory (needs a UCX built with CUDA; see README)",
                 ));
             }
-            host_memory::check(addr as u64, length as u64, core::access_writes(bits))?;
-            // SAFETY: mapped host memory (checked above) that the application registers and
-            // keeps valid until ugdr_dereg_mr: AppRegion's contract.
-            let region = unsafe { AppRegion::new(addr as u64, length as u64) };
-            MemoryRegion::register(&p.inner, region, addr as u64, bits)
+            register_host(&p.inner, addr as u64, length as u64, addr as u64, bits)
         });
         match result {
             Ok(mr) => {

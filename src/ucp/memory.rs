@@ -4,28 +4,234 @@
 //! promises it stays valid for reads and writes until it deregisters it, exactly the promise a
 //! real HCA relies on for DMA. Everything below is safe on that promise; the promise itself
 //! enters through the one `unsafe` constructor, [`AppRegion::new`].
+//!
+//! **Invalidation.** A HCA pins the pages it registers, so an application that unmaps (or
+//! remaps) a registered range never sees DMA meant for the old pages land in whatever is
+//! mapped there next. ugdr has no pins; instead the libc calls that take pages away
+//! (`munmap`, `mremap`, `mmap(MAP_FIXED)`, `madvise(MADV_DONTNEED|FREE|REMOVE)`, `shmdt`,
+//! interposed in `capi::libc_memory`) call [`invalidate_range`] first, which marks every
+//! registered region overlapping the range dead for good and waits for the accesses in
+//! progress on them to end, before the real call runs. Every region has a [`Liveness`] cell
+//! (pooled, generation-tagged, so spans cut from an older region never see a newer one as
+//! theirs) that its spans carry:
+//! * the MR checks (`fake_verbs::mr`) refuse a dead region: a remote access is
+//!   REM_ACCESS_ERR, a local one LOC_PROT_ERR — one atomic load on the hot path;
+//! * every access through a span — a copy here, an atomic, and a UCX transfer for as long as
+//!   UCX holds the buffer (`Endpoint::am_send`, `LockedWorker::receive_rendezvous`) — first
+//!   *holds* the cell (a counter the invalidation waits for; a Dekker pair of SeqCst
+//!   operations with the dead mark) and then rechecks that it lives. A span whose region died
+//!   between the MR check and the access behaves as the old pinned pages would for the
+//!   application, which can no longer see them: what is written there is dropped, and what is
+//!   read there reads as zeros (an atomic returns 0 and changes nothing).
+//!
+//! Dropping the region (its MR deregistered and released) retires the cell the same way.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Whether one registered region is still there, shared by every span cut from it.
+pub struct Liveness {
+    /// `generation * 2 + 1` while the region of this generation lives, `generation * 2` once
+    /// it died (the next region using this cell gets the next generation).
+    state: AtomicU64,
+    /// Accesses in progress on the region (held copies, and UCX transfers in flight).
+    busy: AtomicUsize,
+}
+
+/// A span's (or region's) reference to its cell, at the generation it was cut in.
+#[derive(Clone, Copy)]
+struct Pin {
+    cell: &'static Liveness,
+    live: u64,
+}
+
+/// An access in progress on a live region (or on ugdr's own memory, which needs none); the
+/// region's invalidation waits for it to drop.
+pub struct Hold(Option<&'static Liveness>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(cell) = self.0 {
+            cell.busy.fetch_sub(1, Ordering::Release);
+        }
+    }
+}
+
+impl Pin {
+    fn is_live(&self) -> bool {
+        self.cell.state.load(Ordering::Acquire) == self.live
+    }
+
+    /// Counts an access in, then checks the region still lives (see the module comment).
+    fn hold(&self) -> Option<Hold> {
+        self.cell.busy.fetch_add(1, Ordering::SeqCst);
+        let hold = Hold(Some(self.cell));
+        (self.cell.state.load(Ordering::SeqCst) == self.live).then_some(hold)
+    }
+
+    /// Marks the region dead (no effect on a later generation).
+    fn kill(&self) {
+        let _ = self.cell.state.compare_exchange(
+            self.live,
+            self.live & !1,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+    }
+}
+
+/// Cells of dropped regions, for reuse.
+static SPARE_CELLS: Mutex<Vec<&'static Liveness>> = Mutex::new(Vec::new());
+
+/// One registered region, as [`invalidate_range`] finds it.
+struct Registered {
+    start: u64,
+    end: u64,
+    pin: Pin,
+}
+
+/// Every live region; [`REGISTERED_COUNT`] lets the interposed libc calls skip the lock
+/// while nothing is registered.
+static REGISTERED: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
+static REGISTERED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Set while this thread changes [`REGISTERED`] or [`SPARE_CELLS`]: an allocator that
+    /// unmaps through the interposed libc calls from inside that change must not wait for
+    /// the locks this thread holds (nothing it unmaps then is registered).
+    static UPDATING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` on a registry lock, marked as an update of this thread.
+fn updating<T, R>(lock: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> R {
+    UPDATING.set(true);
+    let r = f(&mut lock.lock().unwrap_or_else(|p| p.into_inner()));
+    UPDATING.set(false);
+    r
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether any region is registered now (one atomic load).
+pub fn anything_registered() -> bool {
+    REGISTERED_COUNT.load(Ordering::Acquire) != 0
+}
+
+/// How long an invalidation waits for transfers in flight (UCX completes or fails them; a
+/// stuck peer must not hang the application's `munmap` for ever).
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+/// Marks every registered region overlapping `[start, start + len)` dead, then waits until
+/// no access is in progress on any of them (at most [`DRAIN_LIMIT`]). Called before the
+/// memory goes away (see the module comment); cheap when nothing is registered.
+pub fn invalidate_range(start: u64, len: u64) {
+    if len == 0 || !anything_registered() || UPDATING.get() {
+        return;
+    }
+    let end = start.saturating_add(len);
+    let mut killed: [Option<&'static Liveness>; 16] = [None; 16];
+    let mut overflow = false;
+    {
+        let registered = lock(&REGISTERED);
+        let overlapping = registered.iter().filter(|r| r.start < end && start < r.end);
+        for (n, r) in overlapping.enumerate() {
+            r.pin.kill();
+            tracing::debug!(
+                "registered memory {:#x}+{:#x} invalidated: its range is unmapped or replaced",
+                r.start,
+                r.end - r.start
+            );
+            match killed.get_mut(n) {
+                Some(slot) => *slot = Some(r.pin.cell),
+                None => overflow = true,
+            }
+        }
+    }
+    let deadline = Instant::now() + DRAIN_LIMIT;
+    for cell in killed.iter().flatten() {
+        drain(cell, deadline);
+    }
+    if overflow {
+        // More than 16 regions at once: wait for every dead cell's accesses.
+        let cells: Vec<&'static Liveness> = lock(&REGISTERED)
+            .iter()
+            .filter(|r| r.start < end && start < r.end)
+            .map(|r| r.pin.cell)
+            .collect();
+        for cell in cells {
+            drain(cell, deadline);
+        }
+    }
+}
+
+fn drain(cell: &Liveness, deadline: Instant) {
+    while cell.busy.load(Ordering::Acquire) != 0 {
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                "registered memory is unmapped while a transfer into it is still in flight"
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
 
 /// Memory the application registered: `len` bytes at `addr`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct AppRegion {
     addr: u64,
     len: u64,
+    pin: Pin,
+}
+
+impl std::fmt::Debug for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", if self.is_live() { "live" } else { "dead" })
+    }
 }
 
 /// A checked piece of an [`AppRegion`] (or of ugdr's own staging memory).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct AppSpan {
     addr: u64,
     len: usize,
+    /// The region's cell; `None` for ugdr's own memory, which never goes away under it.
+    pin: Option<Pin>,
 }
 
 impl AppRegion {
     /// # Safety
     /// `[addr, addr + len)` must stay valid for reads and writes by any thread for as long as
     /// any [`AppSpan`] cut from this region is used (the `ibv_reg_mr` contract: until the MR is
-    /// deregistered and no operation on it is outstanding).
+    /// deregistered and no operation on it is outstanding), or until [`invalidate_range`]
+    /// covering it returns, which the libc calls that take memory away call first.
     pub unsafe fn new(addr: u64, len: u64) -> AppRegion {
-        AppRegion { addr, len }
+        let spare = updating(&SPARE_CELLS, |v| v.pop());
+        let pin = match spare {
+            Some(cell) => Pin {
+                cell,
+                live: cell.state.fetch_add(1, Ordering::SeqCst) + 1,
+            },
+            None => Pin {
+                cell: Box::leak(Box::new(Liveness {
+                    state: AtomicU64::new(1),
+                    busy: AtomicUsize::new(0),
+                })),
+                live: 1,
+            },
+        };
+        updating(&REGISTERED, |r| {
+            r.push(Registered {
+                start: addr,
+                end: addr.saturating_add(len),
+                pin,
+            });
+            REGISTERED_COUNT.store(r.len(), Ordering::Release);
+        });
+        AppRegion { addr, len, pin }
     }
 
     pub fn addr(&self) -> u64 {
@@ -40,6 +246,11 @@ impl AppRegion {
         self.len == 0
     }
 
+    /// False once the memory was unmapped or replaced (or the region dropped).
+    pub fn is_live(&self) -> bool {
+        self.pin.is_live()
+    }
+
     /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe).
     pub fn span(&self, addr: u64, len: u64) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;
@@ -50,7 +261,26 @@ impl AppRegion {
         Some(AppSpan {
             addr,
             len: usize::try_from(len).ok()?,
+            pin: Some(self.pin),
         })
+    }
+}
+
+impl Drop for AppRegion {
+    fn drop(&mut self) {
+        // Retire this generation: spans still around see it dead from now on.
+        self.pin
+            .cell
+            .state
+            .store((self.pin.live | 1) + 1, Ordering::SeqCst);
+        let cell = self.pin.cell;
+        updating(&REGISTERED, |r| {
+            if let Some(i) = r.iter().position(|e| std::ptr::eq(e.pin.cell, cell)) {
+                r.swap_remove(i);
+            }
+            REGISTERED_COUNT.store(r.len(), Ordering::Release);
+        });
+        updating(&SPARE_CELLS, |v| v.push(cell));
     }
 }
 
@@ -61,6 +291,7 @@ impl AppSpan {
         AppSpan {
             addr: bytes.as_ptr() as u64,
             len: bytes.len(),
+            pin: None,
         }
     }
 
@@ -83,10 +314,12 @@ impl AppSpan {
             AppSpan {
                 addr: self.addr,
                 len: n,
+                pin: self.pin,
             },
             AppSpan {
                 addr: self.addr + n as u64,
                 len: self.len - n,
+                pin: self.pin,
             },
         )
     }
@@ -97,41 +330,61 @@ impl AppSpan {
 }
 
 impl AppSpan {
-    fn as_atomic(&self) -> Option<&std::sync::atomic::AtomicU64> {
+    /// Holds the span's region for an access; `None` once the region died (see the module
+    /// comment). Keep the hold until the access (or UCX's use of the buffer) is over.
+    pub fn hold(&self) -> Option<Hold> {
+        match &self.pin {
+            Some(pin) => pin.hold(),
+            None => Some(Hold(None)),
+        }
+    }
+
+    /// # Safety
+    /// Only while a [`Hold`] of this span is alive.
+    unsafe fn as_atomic(&self) -> Option<&std::sync::atomic::AtomicU64> {
         if self.len != 8 || self.addr % 8 != 0 {
             return None;
         }
-        // SAFETY: 8 registered bytes (AppRegion's contract), 8-byte aligned (checked), so a
-        // valid AtomicU64 location; other writers may race, which is what atomics are for.
+        // SAFETY: 8 registered bytes (AppRegion's contract), held, 8-byte aligned (checked),
+        // so a valid AtomicU64 location; other writers may race, which is what atomics are for.
         Some(unsafe { &*(self.as_ptr() as *const std::sync::atomic::AtomicU64) })
     }
 
     /// Atomically adds `add` to the 8 bytes (host byte order, as verbs atomics); the old value.
-    /// None unless the span is 8 aligned bytes.
+    /// None unless the span is 8 aligned bytes; 0 (and nothing changed) if its region died.
     pub fn fetch_add(&self, add: u64) -> Option<u64> {
-        Some(
-            self.as_atomic()?
-                .fetch_add(add, std::sync::atomic::Ordering::SeqCst),
-        )
+        self.atomically(|a| a.fetch_add(add, Ordering::SeqCst))
     }
 
-    /// Atomically replaces the 8 bytes by `swap` if they equal `compare`; the old value.
+    /// Atomically replaces the 8 bytes by `swap` if they equal `compare`; the old value
+    /// (0, and nothing changed, if its region died).
     pub fn compare_swap(&self, compare: u64, swap: u64) -> Option<u64> {
-        let a = self.as_atomic()?;
-        Some(
-            match a.compare_exchange(
-                compare,
-                swap,
-                std::sync::atomic::Ordering::SeqCst,
-                std::sync::atomic::Ordering::SeqCst,
-            ) {
+        self.atomically(|a| {
+            match a.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
                 Ok(v) | Err(v) => v,
-            },
-        )
+            }
+        })
+    }
+
+    fn atomically(&self, op: impl FnOnce(&std::sync::atomic::AtomicU64) -> u64) -> Option<u64> {
+        if self.len != 8 || self.addr % 8 != 0 {
+            return None;
+        }
+        let Some(_held) = self.hold() else {
+            return Some(0);
+        };
+        // SAFETY: held just above.
+        Some(op(unsafe { self.as_atomic() }?))
     }
 }
 
-/// Copies `src` into `spans`, in order; returns the bytes written (≤ the spans' total).
+/// Holds every span (see [`AppSpan::hold`]); `None` if any of their regions died.
+pub fn hold_all(spans: &[AppSpan]) -> Option<smallvec::SmallVec<[Hold; 4]>> {
+    spans.iter().map(AppSpan::hold).collect()
+}
+
+/// Copies `src` into `spans`, in order; returns the bytes written (≤ the spans' total). The
+/// bytes meant for a span whose region died are dropped.
 pub fn scatter(spans: &[AppSpan], src: &[u8]) -> usize {
     let mut off = 0;
     for s in spans {
@@ -139,23 +392,32 @@ pub fn scatter(spans: &[AppSpan], src: &[u8]) -> usize {
             break;
         }
         let n = s.len.min(src.len() - off);
-        // SAFETY: `s` lies in a registered region (AppRegion::new's contract) or in memory
-        // its creator keeps alive; `src` is a Rust slice; the two cannot overlap because UCX's
-        // receive buffers and ugdr's own buffers are never registered by the application.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(off), s.as_ptr(), n) };
+        if let Some(_held) = s.hold() {
+            // SAFETY: `s` lies in a registered region (AppRegion::new's contract), held alive
+            // for the copy, or in memory its creator keeps alive; `src` is a Rust slice; the
+            // two cannot overlap because UCX's receive buffers and ugdr's own buffers are never
+            // registered by the application.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(off), s.as_ptr(), n) };
+        }
         off += n;
     }
     off
 }
 
-/// Copies the bytes of `spans`, in order, into a new vector (inline sends, staging).
+/// Copies the bytes of `spans`, in order, into a new vector (inline sends, staging); a span
+/// whose region died reads as zeros.
 pub fn gather(spans: &[AppSpan]) -> Vec<u8> {
     let total = spans.iter().map(|s| s.len).sum();
     let mut out = Vec::with_capacity(total);
     for s in spans {
-        // SAFETY: as in `scatter`; the span is readable for `len` bytes.
-        let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, s.len) };
-        out.extend_from_slice(bytes);
+        match s.hold() {
+            Some(_held) => {
+                // SAFETY: as in `scatter`; the span is readable for `len` bytes.
+                let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, s.len) };
+                out.extend_from_slice(bytes);
+            }
+            None => out.resize(out.len() + s.len, 0),
+        }
     }
     out
 }
