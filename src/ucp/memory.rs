@@ -26,8 +26,8 @@
 //!
 //! Dropping the region (its MR deregistered and released) retires the cell the same way.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Whether one registered region is still there, shared by every span cut from it.
@@ -70,14 +70,17 @@ impl Pin {
         (self.cell.state.load(Ordering::SeqCst) == self.live).then_some(hold)
     }
 
-    /// Marks the region dead (no effect on a later generation).
-    fn kill(&self) {
-        let _ = self.cell.state.compare_exchange(
-            self.live,
-            self.live & !1,
-            Ordering::SeqCst,
-            Ordering::SeqCst,
-        );
+    /// Marks the region dead (no effect on a later generation); whether it lived until now.
+    fn kill(&self) -> bool {
+        self.cell
+            .state
+            .compare_exchange(
+                self.live,
+                self.live & !1,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
     }
 }
 
@@ -97,9 +100,9 @@ static REGISTERED: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
 static REGISTERED_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// Set while this thread changes [`REGISTERED`] or [`SPARE_CELLS`]: an allocator that
-    /// unmaps through the interposed libc calls from inside that change must not wait for
-    /// the locks this thread holds (nothing it unmaps then is registered).
+    /// Set while this thread holds [`REGISTERED`] or [`SPARE_CELLS`]: an allocator (or the
+    /// logger) that unmaps through the interposed libc calls meanwhile must not wait for the
+    /// lock this thread holds (nothing it unmaps then is registered).
     static UPDATING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
@@ -109,10 +112,6 @@ fn updating<T, R>(lock: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> R {
     let r = f(&mut lock.lock().unwrap_or_else(|p| p.into_inner()));
     UPDATING.set(false);
     r
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Whether any region is registered now (one atomic load).
@@ -132,51 +131,48 @@ pub fn invalidate_range(start: u64, len: u64) {
         return;
     }
     let end = start.saturating_add(len);
-    let mut killed: [Option<&'static Liveness>; 16] = [None; 16];
-    let mut overflow = false;
-    {
-        let registered = lock(&REGISTERED);
-        let overlapping = registered.iter().filter(|r| r.start < end && start < r.end);
-        for (n, r) in overlapping.enumerate() {
-            r.pin.kill();
-            tracing::debug!(
-                "registered memory {:#x}+{:#x} invalidated: its range is unmapped or replaced",
-                r.start,
-                r.end - r.start
-            );
-            match killed.get_mut(n) {
-                Some(slot) => *slot = Some(r.pin.cell),
-                None => overflow = true,
-            }
-        }
-    }
     let deadline = Instant::now() + DRAIN_LIMIT;
-    for cell in killed.iter().flatten() {
-        drain(cell, deadline);
-    }
-    if overflow {
-        // More than 16 regions at once: wait for every dead cell's accesses.
-        let cells: Vec<&'static Liveness> = lock(&REGISTERED)
-            .iter()
-            .filter(|r| r.start < end && start < r.end)
-            .map(|r| r.pin.cell)
-            .collect();
-        for cell in cells {
-            drain(cell, deadline);
+    loop {
+        // Kill every overlapping region, and note (without allocating) up to 16 with accesses
+        // in progress; wait for those, and look again until none is left.
+        let mut busy: [Option<&'static Liveness>; 16] = [None; 16];
+        updating(&REGISTERED, |registered| {
+            let mut n = 0;
+            for r in registered.iter().filter(|r| r.start < end && start < r.end) {
+                if r.pin.kill() {
+                    tracing::debug!(
+                        "registered memory {:#x}+{:#x} invalidated: unmapped or replaced",
+                        r.start,
+                        r.end - r.start
+                    );
+                }
+                if r.pin.cell.busy.load(Ordering::SeqCst) != 0 && n < busy.len() {
+                    busy[n] = Some(r.pin.cell);
+                    n += 1;
+                }
+            }
+        });
+        if busy[0].is_none() {
+            return;
+        }
+        for cell in busy.iter().flatten() {
+            if !drain(cell, deadline) {
+                return;
+            }
         }
     }
 }
 
-fn drain(cell: &Liveness, deadline: Instant) {
-    while cell.busy.load(Ordering::Acquire) != 0 {
+/// Waits until no access is in progress on `cell`; false once `deadline` passed.
+fn drain(cell: &Liveness, deadline: Instant) -> bool {
+    while cell.busy.load(Ordering::SeqCst) != 0 {
         if Instant::now() >= deadline {
-            tracing::warn!(
-                "registered memory is unmapped while a transfer into it is still in flight"
-            );
-            return;
+            tracing::warn!("registered memory is unmapped while a transfer on it is in flight");
+            return false;
         }
         std::thread::sleep(Duration::from_micros(50));
     }
+    true
 }
 
 /// Memory the application registered: `len` bytes at `addr`.
@@ -420,4 +416,60 @@ pub fn gather(spans: &[AppSpan]) -> Vec<u8> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalidation_kills_overlapping_regions_only_and_dead_spans_drop_writes_and_read_zeros() {
+        let mut a = vec![7u8; 64];
+        let mut b = vec![7u8; 64];
+        // SAFETY: both vectors outlive their regions (dropped at the end of the test).
+        let (ra, rb) = unsafe {
+            (
+                AppRegion::new(a.as_mut_ptr() as u64, 64),
+                AppRegion::new(b.as_mut_ptr() as u64, 64),
+            )
+        };
+        let sa = ra.span(ra.addr() + 8, 8).unwrap();
+        let sb = rb.span(rb.addr(), 8).unwrap();
+        invalidate_range(ra.addr() + 60, 100); // overlaps a's last 4 bytes only
+        assert!(!ra.is_live() && rb.is_live());
+        assert_eq!(scatter(&[sa, sb], &[1u8; 16]), 16);
+        assert_eq!(gather(&[sa, sb]), [[0u8; 8], [1u8; 8]].concat());
+        assert_eq!(
+            sa.fetch_add(5),
+            Some(0),
+            "a dead span's atomic changes nothing"
+        );
+        drop((ra, rb));
+        assert_eq!(a, vec![7u8; 64], "nothing was written into the dead region");
+        assert_eq!(&b[..8], &[1u8; 8]);
+    }
+
+    #[test]
+    fn a_reused_cell_never_revives_the_spans_of_its_earlier_region() {
+        let mut buf = vec![0u8; 16];
+        // SAFETY: `buf` outlives both regions.
+        let first = unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16) };
+        let stale = first.span(first.addr(), 8).unwrap();
+        drop(first);
+        assert!(
+            stale.hold().is_none(),
+            "dropping the region retires its spans"
+        );
+        // Later registrations may take the same cell (the pool is shared with other tests,
+        // so register a few): none of them makes the stale span live again.
+        // SAFETY: as above.
+        let later: Vec<AppRegion> = (0..4)
+            .map(|_| unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16) })
+            .collect();
+        assert!(later.iter().all(AppRegion::is_live));
+        assert!(stale.hold().is_none());
+        assert_eq!(scatter(&[stale], &[9u8; 8]), 8);
+        drop(later);
+        assert_eq!(buf, vec![0u8; 16]);
+    }
 }
