@@ -137,63 +137,40 @@ pub unsafe extern "C" fn mremap(
     })
 }
 
-/// `mmap` and `mmap64` (the same function on LP64).
-///
-/// # Safety
-/// As libc's `mmap`.
-unsafe fn map(
-    addr: *mut c_void,
-    len: usize,
-    prot: c_int,
-    flags: c_int,
-    fd: c_int,
-    offset: i64,
-) -> *mut c_void {
-    ffi_boundary!("mmap", quiet, on_panic = libc::MAP_FAILED, {
-        // MAP_FIXED replaces what is there; MAP_FIXED_NOREPLACE fails instead.
-        if flags & libc::MAP_FIXED != 0 {
-            pages_go(addr, len);
+/// `mmap` and `mmap64` (the same function on LP64), under each name.
+macro_rules! export_map {
+    ($name:ident) => {
+        /// # Safety
+        /// As libc's `mmap`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            addr: *mut c_void,
+            len: usize,
+            prot: c_int,
+            flags: c_int,
+            fd: c_int,
+            offset: i64,
+        ) -> *mut c_void {
+            ffi_boundary!(stringify!($name), quiet, on_panic = libc::MAP_FAILED, {
+                // MAP_FIXED replaces what is there; MAP_FIXED_NOREPLACE fails instead.
+                if flags & libc::MAP_FIXED != 0 {
+                    pages_go(addr, len);
+                }
+                match next_fn!(c"mmap", MmapFn) {
+                    // SAFETY: the caller's arguments, passed on.
+                    Some(real) => unsafe { real(addr, len, prot, flags, fd, offset) },
+                    // SAFETY: as above.
+                    None => unsafe {
+                        libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, offset)
+                            as *mut c_void
+                    },
+                }
+            })
         }
-        match next_fn!(c"mmap", MmapFn) {
-            // SAFETY: the caller's arguments, passed on.
-            Some(real) => unsafe { real(addr, len, prot, flags, fd, offset) },
-            // SAFETY: as above.
-            None => unsafe {
-                libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, offset) as *mut c_void
-            },
-        }
-    })
+    };
 }
-
-/// # Safety
-/// As libc's `mmap`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn mmap(
-    addr: *mut c_void,
-    len: usize,
-    prot: c_int,
-    flags: c_int,
-    fd: c_int,
-    offset: i64,
-) -> *mut c_void {
-    // SAFETY: forwarded contract.
-    unsafe { map(addr, len, prot, flags, fd, offset) }
-}
-
-/// # Safety
-/// As libc's `mmap64`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn mmap64(
-    addr: *mut c_void,
-    len: usize,
-    prot: c_int,
-    flags: c_int,
-    fd: c_int,
-    offset: i64,
-) -> *mut c_void {
-    // SAFETY: forwarded contract.
-    unsafe { map(addr, len, prot, flags, fd, offset) }
-}
+export_map!(mmap);
+export_map!(mmap64);
 
 /// `MADV_DONTNEED_LOCKED` (Linux 5.18), which the libc crate does not name.
 const MADV_DONTNEED_LOCKED: c_int = 24;

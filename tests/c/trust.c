@@ -40,20 +40,7 @@
 #include <ucm/api/ucm.h>
 #include <unistd.h>
 
-static int checks;
-static const char *scenario = "?";
-
-#define CHECK(cond, ...)                                                                     \
-	do {                                                                                 \
-		checks++;                                                                    \
-		if (!(cond)) {                                                               \
-			fprintf(stderr, "%s: line %d: check failed: %s: ", scenario, __LINE__, \
-				#cond);                                                      \
-			fprintf(stderr, __VA_ARGS__);                                        \
-			fprintf(stderr, " (errno %d %s)\n", errno, strerror(errno));         \
-			exit(1);                                                             \
-		}                                                                            \
-	} while (0)
+#include "checks.h"
 
 static long page;
 
@@ -135,6 +122,13 @@ static void connect_qp(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn)
 	to_rts(qp);
 }
 
+/* Connects two QPs of one device to each other. */
+static void connect_pair(struct dev *d, struct ibv_qp *a, struct ibv_qp *b)
+{
+	connect_qp(a, d->lid, b->qp_num);
+	connect_qp(b, d->lid, a->qp_num);
+}
+
 static double now_s(void)
 {
 	struct timespec ts;
@@ -212,8 +206,7 @@ static void counts(void)
 {
 	struct dev d = open_dev(NULL);
 	struct ibv_qp *a = new_qp(&d, 2), *b = new_qp(&d, 2);
-	connect_qp(a, d.lid, b->qp_num);
-	connect_qp(b, d.lid, a->qp_num);
+	connect_pair(&d, a, b);
 	uint8_t *buf = calloc(1, 4096);
 	struct ibv_mr *mr = ibv_reg_mr(d.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
 	CHECK(mr != NULL, "reg_mr");
@@ -273,8 +266,7 @@ static void counts(void)
 	struct ibv_qp *c = ibv_create_qp_ex(d.ctx, &xattr), *e = new_qp(&d, 2);
 	CHECK(c != NULL, "create_qp_ex");
 	CHECK(xattr.cap.max_inline_data == 64, "granted max_inline_data %u", xattr.cap.max_inline_data);
-	connect_qp(c, d.lid, e->qp_num);
-	connect_qp(e, d.lid, c->qp_num);
+	connect_pair(&d, c, e);
 	struct ibv_qp_ex *x = ibv_qp_to_qp_ex(c);
 	ibv_wr_start(x);
 	x->wr_id = 5;
@@ -381,8 +373,7 @@ static void cancel(void)
 
 	/* The completion channel and CQ still deliver an event. */
 	struct ibv_qp *a = new_qp(&d, 1), *b = new_qp(&d, 1);
-	connect_qp(a, d.lid, b->qp_num);
-	connect_qp(b, d.lid, a->qp_num);
+	connect_pair(&d, a, b);
 	uint8_t *buf = calloc(1, 64);
 	struct ibv_mr *mr = ibv_reg_mr(d.pd, buf, 64, IBV_ACCESS_LOCAL_WRITE);
 	CHECK(mr != NULL, "reg_mr");
@@ -473,13 +464,6 @@ static void cancel_pending(void)
 
 /* ---------------------------------------------------------------- reg_mr */
 
-#define NULL_WITH(call, e)                                                                   \
-	do {                                                                                 \
-		errno = 0;                                                                   \
-		void *p_ = (void *)(call);                                                   \
-		CHECK(p_ == NULL && errno == (e), "%s gave %p, expected NULL/%d", #call, p_, (e)); \
-	} while (0)
-
 static void reg_mr(void)
 {
 	struct dev d = open_dev(NULL);
@@ -529,8 +513,7 @@ static void reg_mr(void)
 
 	/* The read-only MR works: an RDMA READ from it returns its bytes. */
 	struct ibv_qp *a = new_qp(&d, 1), *b = new_qp(&d, 1);
-	connect_qp(a, d.lid, b->qp_num);
-	connect_qp(b, d.lid, a->qp_num);
+	connect_pair(&d, a, b);
 	struct ibv_sge sge = {(uintptr_t)two, 64, fits->lkey};
 	CHECK(post_rdma(a, 1, IBV_WR_RDMA_READ, &sge, (uintptr_t)ro + page, ro_mr->rkey) == 0, "read");
 	expect_wc(d.cq, 1, IBV_WC_SUCCESS, IBV_WC_RDMA_READ, a->qp_num);
@@ -571,6 +554,14 @@ static uint8_t *region_for(enum remap how)
 	return p;
 }
 
+/* New anonymous memory at `r`, where nothing is mapped now. */
+static void map_again(uint8_t *r)
+{
+	CHECK(mmap(r, 2 * page, PROT_READ | PROT_WRITE,
+		   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0) == r,
+	      "new mapping at the old address");
+}
+
 /* Takes the region's pages away as `how` does and puts new memory, filled with 0x5a, at the
  * same address. */
 static void remap(uint8_t *r, enum remap how)
@@ -578,9 +569,7 @@ static void remap(uint8_t *r, enum remap how)
 	switch (how) {
 	case MUNMAP:
 		CHECK(munmap(r, 2 * page) == 0, "munmap");
-		CHECK(mmap(r, 2 * page, PROT_READ | PROT_WRITE,
-			   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0) == r,
-		      "new mapping at the old address");
+		map_again(r);
 		break;
 	case MAP_FIXED_OVER:
 		CHECK(mmap(r, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
@@ -594,9 +583,7 @@ static void remap(uint8_t *r, enum remap how)
 		uint8_t *moved = mremap(r, 2 * page, 4 * page, MREMAP_MAYMOVE);
 		CHECK(moved != MAP_FAILED && moved != r, "mremap away: %p", (void *)moved);
 		CHECK(munmap(moved, 4 * page) == 0, "munmap the moved pages");
-		CHECK(mmap(r, 2 * page, PROT_READ | PROT_WRITE,
-			   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0) == r,
-		      "new mapping at the old address");
+		map_again(r);
 		break;
 	}
 	case MADV_DROP:
@@ -640,10 +627,8 @@ static void local_remap(void)
 		CHECK(mr != NULL, "%s: reg_mr", remap_name[how]);
 		struct ibv_qp *a = new_qp(&d, 1), *b = new_qp(&d, 1), *c = new_qp(&d, 1),
 			      *e = new_qp(&d, 1);
-		connect_qp(a, d.lid, b->qp_num);
-		connect_qp(b, d.lid, a->qp_num);
-		connect_qp(c, d.lid, e->qp_num);
-		connect_qp(e, d.lid, c->qp_num);
+		connect_pair(&d, a, b);
+		connect_pair(&d, c, e);
 		/* Before: a WRITE lands. */
 		memset(src, 0x11, 64);
 		struct ibv_sge sge = {(uintptr_t)src, 64, src_mr->lkey};

@@ -35,36 +35,7 @@ _Static_assert(sizeof(struct ugdr_recv_wr) == 32, "ugdr_recv_wr");
 _Static_assert(sizeof(struct ugdr_send_wr) == 56 && offsetof(struct ugdr_send_wr, rdma) == 40,
 	       "ugdr_send_wr");
 
-static int checks;
-static const char *scenario = "?";
-
-#define CHECK(cond, ...)                                                                   \
-	do {                                                                               \
-		checks++;                                                                  \
-		if (!(cond)) {                                                             \
-			fprintf(stderr, "%s: line %d: check failed: %s: ", scenario, __LINE__, \
-				#cond);                                                    \
-			fprintf(stderr, __VA_ARGS__);                                      \
-			fprintf(stderr, " (errno %d %s)\n", errno, strerror(errno));       \
-			exit(1);                                                           \
-		}                                                                          \
-	} while (0)
-
-/* An int call that must fail with `e`, both as its return value and in errno. */
-#define FAILS_WITH(call, e)                                                                \
-	do {                                                                               \
-		errno = 0;                                                                 \
-		int rc_ = (call);                                                          \
-		CHECK(rc_ == (e) && errno == (e), "%s returned %d, expected %d", #call, rc_, (e)); \
-	} while (0)
-
-/* A pointer call that must return NULL with errno `e`. */
-#define NULL_WITH(call, e)                                                                 \
-	do {                                                                               \
-		errno = 0;                                                                 \
-		void *p_ = (void *)(call);                                                 \
-		CHECK(p_ == NULL && errno == (e), "%s gave %p, expected NULL/%d", #call, p_, (e)); \
-	} while (0)
+#include "checks.h"
 
 struct res {
 	struct ugdr_context *ctx;
