@@ -24,7 +24,9 @@
 //!   application, which can no longer see them: what is written there is dropped, and what is
 //!   read there reads as zeros (an atomic returns 0 and changes nothing).
 //!
-//! Dropping the region (its MR deregistered and released) retires the cell the same way.
+//! Dropping the region (its MR deregistered and released) retires the cell the same way;
+//! while UCX still holds spans of it, it stays in the registry, dead, so that unmapping its
+//! range still waits for those transfers (as a HCA fences DMA before deregistration ends).
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -84,32 +86,59 @@ impl Pin {
     }
 }
 
-/// Cells of dropped regions, for reuse.
-static SPARE_CELLS: Mutex<Vec<&'static Liveness>> = Mutex::new(Vec::new());
-
 /// One registered region, as [`invalidate_range`] finds it.
 struct Registered {
     start: u64,
     end: u64,
     pin: Pin,
+    /// Its region was dropped (the MR deregistered) while transfers on it were in flight: it
+    /// stays here, dead, so that unmapping the range still waits for them, until they end.
+    retired: bool,
 }
 
-/// Every live region; [`REGISTERED_COUNT`] lets the interposed libc calls skip the lock
-/// while nothing is registered.
-static REGISTERED: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
+/// Every registered region (and the retired ones still busy), and the cells of the others
+/// that were dropped, for reuse.
+struct Registry {
+    regions: Vec<Registered>,
+    spare: Vec<&'static Liveness>,
+}
+
+impl Registry {
+    /// Gives the cells of retired regions whose transfers ended back to the pool.
+    fn sweep(&mut self) {
+        let mut i = 0;
+        while i < self.regions.len() {
+            let r = &self.regions[i];
+            if r.retired && r.pin.cell.busy.load(Ordering::SeqCst) == 0 {
+                let cell = self.regions.swap_remove(i).pin.cell;
+                self.spare.push(cell);
+            } else {
+                i += 1;
+            }
+        }
+        REGISTERED_COUNT.store(self.regions.len(), Ordering::Release);
+    }
+}
+
+/// [`REGISTERED_COUNT`] lets the interposed libc calls skip the lock while the registry is
+/// empty.
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    regions: Vec::new(),
+    spare: Vec::new(),
+});
 static REGISTERED_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// Set while this thread holds [`REGISTERED`] or [`SPARE_CELLS`]: an allocator (or the
-    /// logger) that unmaps through the interposed libc calls meanwhile must not wait for the
-    /// lock this thread holds (nothing it unmaps then is registered).
+    /// Set while this thread holds [`REGISTRY`]: an allocator (or the logger) that unmaps
+    /// through the interposed libc calls meanwhile must not wait for the lock this thread
+    /// holds (nothing it unmaps then is registered).
     static UPDATING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Runs `f` on a registry lock, marked as an update of this thread.
-fn updating<T, R>(lock: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> R {
+/// Runs `f` on the registry, marked as an update of this thread.
+fn updating<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
     UPDATING.set(true);
-    let r = f(&mut lock.lock().unwrap_or_else(|p| p.into_inner()));
+    let r = f(&mut REGISTRY.lock().unwrap_or_else(|p| p.into_inner()));
     UPDATING.set(false);
     r
 }
@@ -136,9 +165,13 @@ pub fn invalidate_range(start: u64, len: u64) {
         // Kill every overlapping region, and note (without allocating) up to 16 with accesses
         // in progress; wait for those, and look again until none is left.
         let mut busy: [Option<&'static Liveness>; 16] = [None; 16];
-        updating(&REGISTERED, |registered| {
+        updating(|registry| {
             let mut n = 0;
-            for r in registered.iter().filter(|r| r.start < end && start < r.end) {
+            for r in registry
+                .regions
+                .iter()
+                .filter(|r| r.start < end && start < r.end)
+            {
                 if r.pin.kill() {
                     tracing::debug!(
                         "registered memory {:#x}+{:#x} invalidated: unmapped or replaced",
@@ -151,6 +184,7 @@ pub fn invalidate_range(start: u64, len: u64) {
                     n += 1;
                 }
             }
+            registry.sweep();
         });
         if busy[0].is_none() {
             return;
@@ -205,27 +239,28 @@ impl AppRegion {
     /// deregistered and no operation on it is outstanding), or until [`invalidate_range`]
     /// covering it returns, which the libc calls that take memory away call first.
     pub unsafe fn new(addr: u64, len: u64) -> AppRegion {
-        let spare = updating(&SPARE_CELLS, |v| v.pop());
-        let pin = match spare {
-            Some(cell) => Pin {
-                cell,
-                live: cell.state.fetch_add(1, Ordering::SeqCst) + 1,
-            },
-            None => Pin {
-                cell: Box::leak(Box::new(Liveness {
-                    state: AtomicU64::new(1),
-                    busy: AtomicUsize::new(0),
-                })),
-                live: 1,
-            },
-        };
-        updating(&REGISTERED, |r| {
-            r.push(Registered {
+        let pin = updating(|registry| {
+            let pin = match registry.spare.pop() {
+                Some(cell) => Pin {
+                    cell,
+                    live: cell.state.fetch_add(1, Ordering::SeqCst) + 1,
+                },
+                None => Pin {
+                    cell: Box::leak(Box::new(Liveness {
+                        state: AtomicU64::new(1),
+                        busy: AtomicUsize::new(0),
+                    })),
+                    live: 1,
+                },
+            };
+            registry.regions.push(Registered {
                 start: addr,
                 end: addr.saturating_add(len),
                 pin,
+                retired: false,
             });
-            REGISTERED_COUNT.store(r.len(), Ordering::Release);
+            registry.sweep();
+            pin
         });
         AppRegion { addr, len, pin }
     }
@@ -270,13 +305,16 @@ impl Drop for AppRegion {
             .state
             .store((self.pin.live | 1) + 1, Ordering::SeqCst);
         let cell = self.pin.cell;
-        updating(&REGISTERED, |r| {
-            if let Some(i) = r.iter().position(|e| std::ptr::eq(e.pin.cell, cell)) {
-                r.swap_remove(i);
+        updating(|registry| {
+            if let Some(r) = registry
+                .regions
+                .iter_mut()
+                .find(|r| std::ptr::eq(r.pin.cell, cell))
+            {
+                r.retired = true;
             }
-            REGISTERED_COUNT.store(r.len(), Ordering::Release);
+            registry.sweep();
         });
-        updating(&SPARE_CELLS, |v| v.push(cell));
     }
 }
 
@@ -447,6 +485,29 @@ mod tests {
         drop((ra, rb));
         assert_eq!(a, vec![7u8; 64], "nothing was written into the dead region");
         assert_eq!(&b[..8], &[1u8; 8]);
+    }
+
+    #[test]
+    fn unmapping_waits_for_a_transfer_in_flight_even_after_the_region_was_dropped() {
+        let mut buf = vec![0u8; 4096];
+        let addr = buf.as_mut_ptr() as u64;
+        // SAFETY: `buf` outlives the region.
+        let region = unsafe { AppRegion::new(addr, 4096) };
+        let held = region.span(addr, 64).unwrap().hold().expect("live");
+        drop(region); // deregistered while "UCX" still holds the span
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(held);
+        });
+        let t = Instant::now();
+        invalidate_range(addr, 4096);
+        assert!(
+            t.elapsed() >= Duration::from_millis(150),
+            "returned after {:?}, before the transfer ended",
+            t.elapsed()
+        );
+        release.join().unwrap();
+        drop(buf);
     }
 
     #[test]
