@@ -11,8 +11,14 @@
 //! declared `extern "C"` (that call site gets no landing pad, so its drops are skipped). Hence:
 //! * inside the boundary, cancellation is disabled (`pthread_setcancelstate`, the caller's
 //!   state restored on the way out), so a pending cancel never acts in ugdr's own code, UCX's,
-//!   or a log write (all full of cancellation points). Measured: about 50 ns per export on the
-//!   2-core CI VM (two uncontended CAS there cost 27 ns);
+//!   or a log write (all full of cancellation points), and the thread is cancelled at its
+//!   next cancellation point after the call, as with rdma-core, whose calls have none. The
+//!   two calls cost about 50 ns per export on the 2-core CI VM (two uncontended CAS there
+//!   cost 27 ns), too much for `ibv_poll_cq` spin loops, so they are made only once the
+//!   process has cancelled a thread: `pthread_cancel` is interposed (`libc_hooks`) and sets
+//!   [`CANCEL_USED`] before it acts. Until then one relaxed load decides. The window left: a
+//!   thread already inside a call when the process's *first* `pthread_cancel` targets it;
+//!   the waits below and the libc hooks disable cancellation always;
 //! * the calls that block as rdma-core's do in `read()` (`ibv_get_cq_event`,
 //!   `ibv_get_async_event`, `rdma_get_cm_event`) are `extern "C-unwind"` and run as
 //!   [`blocking`]: non-blocking attempts inside the boundary, and between them a `poll()` outside
@@ -23,6 +29,7 @@
 
 use std::os::fd::RawFd;
 use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 unsafe extern "C" {
     fn pthread_setcancelstate(state: c_int, old: *mut c_int) -> c_int;
@@ -37,16 +44,30 @@ unsafe extern "C-unwind" {
 /// `PTHREAD_CANCEL_DISABLE` (glibc).
 const CANCEL_DISABLE: c_int = 1;
 
+/// Set (for good) by the interposed `pthread_cancel` before it cancels a thread.
+pub(crate) static CANCEL_USED: AtomicBool = AtomicBool::new(false);
+
 /// Keeps cancellation disabled on this thread while alive; restores the caller's state.
 pub(crate) struct NoCancel(c_int);
 
 impl NoCancel {
+    /// Disables cancellation.
     #[inline]
     pub(crate) fn new() -> NoCancel {
         let mut old = 0;
         // SAFETY: sets the calling thread's own state; `old` is a valid out-parameter.
         unsafe { pthread_setcancelstate(CANCEL_DISABLE, &mut old) };
         NoCancel(old)
+    }
+
+    /// Disables cancellation if the process ever cancelled a thread (see the module comment).
+    #[inline]
+    pub(crate) fn if_cancel_used() -> NoCancel {
+        if CANCEL_USED.load(Ordering::Relaxed) {
+            NoCancel::new()
+        } else {
+            NoCancel(CANCEL_DISABLE) // nothing to restore
+        }
     }
 }
 
@@ -129,7 +150,7 @@ impl Fallback for u16 {
 }
 
 /// Runs `$body` (which returns the export's type), catching panics, with thread cancellation
-/// disabled. The optional `on_panic = expr` overrides the failure value (e.g. -1 for
+/// disabled (once the process used `pthread_cancel`; always with `quiet`). The optional `on_panic = expr` overrides the failure value (e.g. -1 for
 /// `ibv_poll_cq`). `quiet` skips the logger's lazy set-up (for the libc interposers, which
 /// run before and during it).
 macro_rules! ffi_boundary {
@@ -150,7 +171,7 @@ macro_rules! ffi_boundary {
         )
     };
     ($name:expr, on_panic = $fallback:expr, $body:block) => {{
-        let _no_cancel = $crate::capi::boundary::NoCancel::new();
+        let _no_cancel = $crate::capi::boundary::NoCancel::if_cancel_used();
         $crate::log::init();
         $crate::capi::boundary::ffi_boundary!(@catch $name, $fallback, $body)
     }};
@@ -200,9 +221,12 @@ pub(crate) fn blocking<R>(
 ) -> R {
     let mut ready = [false; 2];
     loop {
+        // Always without cancellation: these threads are the ones applications cancel.
+        let no_cancel = NoCancel::new();
         let step = ffi_boundary!(name, on_panic = Attempt::Done(on_panic()), {
             attempt(ready)
         });
+        drop(no_cancel);
         match step {
             Attempt::Done(r) => return r,
             Attempt::Outside(call) => return call(),

@@ -83,11 +83,12 @@ pub(crate) fn register_host(
     access: u32,
 ) -> Result<Arc<MemoryRegion>, VerbsError> {
     MemoryRegion::validate(addr, len, iova, access)?;
-    host_memory::check(addr, len, mr::needs_writable(access))?;
+    let writable = mr::needs_writable(access);
+    host_memory::check(addr, len, writable)?;
     // SAFETY: mapped host memory (checked above) that the application registers and promises
-    // to keep until it deregisters it; unmapping it earlier invalidates the region before the
-    // memory goes (`ucp::memory`): AppRegion's contract.
-    let region = unsafe { AppRegion::new(addr, len) };
+    // to keep until it deregisters it; unmapping it (or taking away the access it needs)
+    // earlier invalidates the region first (`ucp::memory`): AppRegion's contract.
+    let region = unsafe { AppRegion::new(addr, len, writable) };
     MemoryRegion::register(pd, region, iova, access)
 }
 

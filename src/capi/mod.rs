@@ -11,7 +11,7 @@ mod ibv_pd_mr;
 mod ibv_qp;
 mod ibv_srq;
 pub(crate) mod layout;
-mod libc_memory;
+mod libc_hooks;
 mod ops;
 mod passthrough;
 mod rdma_addrinfo;

@@ -7,11 +7,14 @@
 //!
 //! **Invalidation.** A HCA pins the pages it registers, so an application that unmaps (or
 //! remaps) a registered range never sees DMA meant for the old pages land in whatever is
-//! mapped there next. ugdr has no pins; instead the libc calls that take pages away
-//! (`munmap`, `mremap`, `mmap(MAP_FIXED)`, `madvise(MADV_DONTNEED|FREE|REMOVE)`, `shmdt`,
-//! interposed in `capi::libc_memory`) call [`invalidate_range`] first, which marks every
-//! registered region overlapping the range dead for good and waits for the accesses in
-//! progress on them to end, before the real call runs. Every region has a [`Liveness`] cell
+//! mapped there next, and DMA ignores page protections. ugdr has no pins; instead the libc
+//! calls that take pages away (`munmap`, `mremap`, `mmap(MAP_FIXED)`,
+//! `madvise(MADV_DONTNEED|FREE|REMOVE)`, `shmdt`) or access (`mprotect`: write, for regions
+//! registered for writing; read, for all), interposed in `capi::libc_hooks`, call
+//! [`invalidate_range`] first, which marks every such registered region overlapping the
+//! range dead for good and waits for the accesses in progress on them to end, before the
+//! real call runs. (Dead for good: a HCA would go on working through the old pages, but
+//! ugdr's copies would then fault or reach the new memory, so a refusal is the safe answer.) Every region has a [`Liveness`] cell
 //! (pooled, generation-tagged, so spans cut from an older region never see a newer one as
 //! theirs) that its spans carry:
 //! * the MR checks (`fake_verbs::mr`) refuse a dead region: a remote access is
@@ -91,6 +94,8 @@ struct Registered {
     start: u64,
     end: u64,
     pin: Pin,
+    /// Registered for writing (local or remote): losing write permission kills it too.
+    writable: bool,
     /// Its region was dropped (the MR deregistered) while transfers on it were in flight: it
     /// stays here, dead, so that unmapping the range still waits for them, until they end.
     retired: bool,
@@ -152,10 +157,19 @@ pub fn anything_registered() -> bool {
 /// stuck peer must not hang the application's `munmap` for ever).
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
-/// Marks every registered region overlapping `[start, start + len)` dead, then waits until
-/// no access is in progress on any of them (at most [`DRAIN_LIMIT`]). Called before the
-/// memory goes away (see the module comment); cheap when nothing is registered.
-pub fn invalidate_range(start: u64, len: u64) {
+/// What happens to a range of memory that invalidates the regions registered in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    /// Its pages go away or are replaced: every region there dies.
+    Pages,
+    /// It stops being writable (`mprotect`): the regions registered for writing die.
+    Write,
+}
+
+/// Marks the registered regions overlapping `[start, start + len)` that `loss` affects dead,
+/// then waits until no access is in progress on any of them (at most [`DRAIN_LIMIT`]). Called
+/// before the memory goes (see the module comment); cheap when nothing is registered.
+pub fn invalidate_range(start: u64, len: u64, loss: Loss) {
     if len == 0 || !anything_registered() || UPDATING.get() {
         return;
     }
@@ -171,6 +185,7 @@ pub fn invalidate_range(start: u64, len: u64) {
                 .regions
                 .iter()
                 .filter(|r| r.start < end && start < r.end)
+                .filter(|r| loss == Loss::Pages || r.writable)
             {
                 if r.pin.kill() {
                     tracing::debug!(
@@ -238,7 +253,7 @@ impl AppRegion {
     /// any [`AppSpan`] cut from this region is used (the `ibv_reg_mr` contract: until the MR is
     /// deregistered and no operation on it is outstanding), or until [`invalidate_range`]
     /// covering it returns, which the libc calls that take memory away call first.
-    pub unsafe fn new(addr: u64, len: u64) -> AppRegion {
+    pub unsafe fn new(addr: u64, len: u64, writable: bool) -> AppRegion {
         let pin = updating(|registry| {
             let pin = match registry.spare.pop() {
                 Some(cell) => Pin {
@@ -257,6 +272,7 @@ impl AppRegion {
                 start: addr,
                 end: addr.saturating_add(len),
                 pin,
+                writable,
                 retired: false,
             });
             registry.sweep();
@@ -467,13 +483,13 @@ mod tests {
         // SAFETY: both vectors outlive their regions (dropped at the end of the test).
         let (ra, rb) = unsafe {
             (
-                AppRegion::new(a.as_mut_ptr() as u64, 64),
-                AppRegion::new(b.as_mut_ptr() as u64, 64),
+                AppRegion::new(a.as_mut_ptr() as u64, 64, true),
+                AppRegion::new(b.as_mut_ptr() as u64, 64, false),
             )
         };
         let sa = ra.span(ra.addr() + 8, 8).unwrap();
         let sb = rb.span(rb.addr(), 8).unwrap();
-        invalidate_range(ra.addr() + 60, 100); // overlaps a's last 4 bytes only
+        invalidate_range(ra.addr() + 60, 100, Loss::Pages); // overlaps a's last 4 bytes only
         assert!(!ra.is_live() && rb.is_live());
         assert_eq!(scatter(&[sa, sb], &[1u8; 16]), 16);
         assert_eq!(gather(&[sa, sb]), [[0u8; 8], [1u8; 8]].concat());
@@ -492,7 +508,7 @@ mod tests {
         let mut buf = vec![0u8; 4096];
         let addr = buf.as_mut_ptr() as u64;
         // SAFETY: `buf` outlives the region.
-        let region = unsafe { AppRegion::new(addr, 4096) };
+        let region = unsafe { AppRegion::new(addr, 4096, true) };
         let held = region.span(addr, 64).unwrap().hold().expect("live");
         drop(region); // deregistered while "UCX" still holds the span
         let release = std::thread::spawn(move || {
@@ -500,7 +516,7 @@ mod tests {
             drop(held);
         });
         let t = Instant::now();
-        invalidate_range(addr, 4096);
+        invalidate_range(addr, 4096, Loss::Pages);
         assert!(
             t.elapsed() >= Duration::from_millis(150),
             "returned after {:?}, before the transfer ended",
@@ -514,7 +530,7 @@ mod tests {
     fn a_reused_cell_never_revives_the_spans_of_its_earlier_region() {
         let mut buf = vec![0u8; 16];
         // SAFETY: `buf` outlives both regions.
-        let first = unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16) };
+        let first = unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16, true) };
         let stale = first.span(first.addr(), 8).unwrap();
         drop(first);
         assert!(
@@ -525,7 +541,7 @@ mod tests {
         // so register a few): none of them makes the stale span live again.
         // SAFETY: as above.
         let later: Vec<AppRegion> = (0..4)
-            .map(|_| unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16) })
+            .map(|_| unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16, true) })
             .collect();
         assert!(later.iter().all(AppRegion::is_live));
         assert!(stale.hold().is_none());

@@ -13,8 +13,10 @@
  *   reg_mr         EFAULT for unmapped, PROT_NONE, read-only-with-write-access and
  *                  straddling ranges; read-only memory registers without write access
  *   local_remap    MRs whose range is unmapped, remapped (munmap, mmap MAP_FIXED, mremap,
- *                  madvise DONTNEED, shmdt): a local SEND from one is LOC_PROT_ERR, an RDMA
- *                  WRITE to one is REM_ACCESS_ERR, and the new mapping's bytes never change
+ *                  madvise DONTNEED, shmdt) or made read-only (mprotect): a local SEND from
+ *                  one is LOC_PROT_ERR, an RDMA WRITE to one is REM_ACCESS_ERR, and the new
+ *                  mapping's bytes never change
+ *   ucm            local_remap with UCX's own memory hooks installed: both see every unmap
  *   remap_target PORT / remap_requester PORT
  *                  the same across two processes: the target registers, the requester WRITEs
  *                  once (it lands), the target munmaps and maps new memory at the address, the
@@ -528,8 +530,9 @@ static void reg_mr(void)
 
 /* ---------------------------------------------------------------- local_remap, ucm */
 
-enum remap { MUNMAP, MAP_FIXED_OVER, MREMAP_AWAY, MADV_DROP, SHMDT, N_REMAPS };
-static const char *remap_name[] = {"munmap", "mmap MAP_FIXED", "mremap", "madvise DONTNEED", "shmdt"};
+enum remap { MUNMAP, MAP_FIXED_OVER, MREMAP_AWAY, MADV_DROP, SHMDT, READ_ONLY, N_REMAPS };
+static const char *remap_name[] = {"munmap", "mmap MAP_FIXED", "mremap", "madvise DONTNEED",
+				   "shmdt", "mprotect PROT_READ"};
 
 static int shm_id(size_t len)
 {
@@ -563,7 +566,7 @@ static void map_again(uint8_t *r)
 }
 
 /* Takes the region's pages away as `how` does and puts new memory, filled with 0x5a, at the
- * same address. */
+ * same address (or, for READ_ONLY, fills it and takes write access away). */
 static void remap(uint8_t *r, enum remap how)
 {
 	switch (how) {
@@ -596,6 +599,10 @@ static void remap(uint8_t *r, enum remap how)
 		shmctl(id, IPC_RMID, NULL);
 		break;
 	}
+	case READ_ONLY: /* the same pages, no longer writable: a copy into them would fault */
+		memset(r, 0x5a, 2 * page);
+		CHECK(mprotect(r, 2 * page, PROT_READ) == 0, "mprotect");
+		return;
 	default:
 		break;
 	}
@@ -620,7 +627,10 @@ static void local_remap(void)
 	uint8_t *src = calloc(1, 4096);
 	struct ibv_mr *src_mr = ibv_reg_mr(d.pd, src, 4096, IBV_ACCESS_LOCAL_WRITE);
 	CHECK(src_mr != NULL, "reg_mr");
+	const char *only = getenv("UGDR_TEST_ONLY");
 	for (enum remap how = 0; how < N_REMAPS; how++) {
+		if (only && strcmp(only, remap_name[how]))
+			continue;
 		uint8_t *r = region_for(how);
 		watched = r;
 		struct ibv_mr *mr = ibv_reg_mr(d.pd, r, 2 * page, rw);
@@ -651,7 +661,7 @@ static void local_remap(void)
 		expect_wc(d.cq, 3, IBV_WC_LOC_PROT_ERR, IBV_WC_SEND, a->qp_num);
 		nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL);
 		CHECK(all_5a(r), "%s: the new memory changed", remap_name[how]);
-		if (getenv("UGDR_TEST_UCM"))
+		if (getenv("UGDR_TEST_UCM") && how != READ_ONLY) /* nothing is unmapped there */
 			CHECK(unmapped_events > before, "%s: ucm's hook did not see it", remap_name[how]);
 		struct ibv_wc wc;
 		while (ibv_poll_cq(d.cq, 1, &wc) > 0)

@@ -1,5 +1,10 @@
-//! The libc calls that take memory away from a process, interposed (libugdr.so is preloaded,
-//! so these definitions come before libc's): `munmap`, `mremap`, `mmap`/`mmap64` with
+//! The libc calls ugdr must see, interposed (libugdr.so is preloaded, so these definitions
+//! come before libc's), each chaining to the next definition of its symbol.
+//!
+//! `pthread_cancel` notes that the process cancels threads (`boundary::CANCEL_USED`: from
+//! then on every export disables cancellation while it runs) before it acts.
+//!
+//! The calls that take memory away from a process: `munmap`, `mremap`, `mmap`/`mmap64` with
 //! `MAP_FIXED`, `madvise` with `MADV_DONTNEED`/`MADV_DONTNEED_LOCKED`/`MADV_FREE`/`MADV_REMOVE`,
 //! and `shmdt`. Each first invalidates the registered memory regions overlapping what goes away
 //! (`ucp::invalidate_range`: they are refused from then on, and accesses in progress on them
@@ -10,16 +15,19 @@
 //!
 //! Limits: only calls through these dynamic symbols are seen. Memory released inside libc
 //! (`free()` of a large `malloc` block, which unmaps it with libc's internal `__munmap`, heap
-//! trimming), raw `syscall(SYS_munmap, …)`, and `mprotect` (which takes no page away; a HCA
-//! ignores it) are not: registered memory released that way still breaks the registration
-//! promise, as before.
+//! trimming) and raw `syscall(SYS_munmap, …)` are not: registered memory released that way
+//! still breaks the registration promise, as before.
+//!
+//! `mprotect` takes access away: regions registered for writing die when their memory stops
+//! being writable, all of them when it stops being readable (a HCA would go on, but ugdr's
+//! copies would fault).
 //!
 //! `mremap` is variadic in C (the new address comes only with `MREMAP_FIXED`); it is defined
 //! here with five fixed arguments, which on x86-64 and AArch64 Linux arrive in the same
 //! registers as the variadic one.
 
-use super::boundary::ffi_boundary;
-use crate::ucp::{anything_registered, invalidate_range};
+use super::boundary::{CANCEL_USED, ffi_boundary};
+use crate::ucp::{Loss, anything_registered, invalidate_range};
 use crate::ugdr::host_memory;
 use std::ffi::CStr;
 use std::os::raw::{c_int, c_void};
@@ -70,16 +78,17 @@ fn page_size() -> u64 {
     }
 }
 
-/// Invalidates the registered memory in `[addr, addr + len)`, rounded to whole pages as the
-/// kernel rounds it; nothing for an unaligned address (the kernel refuses the call).
-fn pages_go(addr: *const c_void, len: usize) {
+/// Invalidates the registered memory in `[addr, addr + len)` that `loss` affects, rounded to
+/// whole pages as the kernel rounds it; nothing for an unaligned address (the kernel refuses
+/// the call).
+fn lose(addr: *const c_void, len: usize, loss: Loss) {
     let page = page_size();
     let start = addr as u64;
     if start % page != 0 || len == 0 {
         return;
     }
     let len = (len as u64).saturating_add(page - 1) & !(page - 1);
-    invalidate_range(start, len);
+    invalidate_range(start, len, loss);
 }
 
 type MunmapFn = unsafe extern "C" fn(*mut c_void, usize) -> c_int;
@@ -93,7 +102,7 @@ type ShmdtFn = unsafe extern "C" fn(*const c_void) -> c_int;
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> c_int {
     ffi_boundary!("munmap", quiet, on_panic = -1, {
-        pages_go(addr, len);
+        lose(addr, len, Loss::Pages);
         match next_fn!(c"munmap", MunmapFn) {
             // SAFETY: the caller's arguments, passed on.
             Some(real) => unsafe { real(addr, len) },
@@ -116,14 +125,18 @@ pub unsafe extern "C" fn mremap(
     ffi_boundary!("mremap", quiet, on_panic = libc::MAP_FAILED, {
         if flags & (libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED) != 0 {
             // The pages may move: what is registered at the old address goes.
-            pages_go(old, old_size);
+            lose(old, old_size, Loss::Pages);
         } else if new_size < old_size {
             // Shrinking in place: the tail goes.
-            pages_go(old.wrapping_byte_add(new_size), old_size - new_size);
+            lose(
+                old.wrapping_byte_add(new_size),
+                old_size - new_size,
+                Loss::Pages,
+            );
         }
         if flags & libc::MREMAP_FIXED != 0 {
             // Whatever was mapped at the new address is replaced.
-            pages_go(new_addr, new_size);
+            lose(new_addr, new_size, Loss::Pages);
         }
         match next_fn!(c"mremap", MremapFn) {
             // SAFETY: the caller's arguments, passed on (the fifth as the variadic one).
@@ -154,7 +167,7 @@ macro_rules! export_map {
             ffi_boundary!(stringify!($name), quiet, on_panic = libc::MAP_FAILED, {
                 // MAP_FIXED replaces what is there; MAP_FIXED_NOREPLACE fails instead.
                 if flags & libc::MAP_FIXED != 0 {
-                    pages_go(addr, len);
+                    lose(addr, len, Loss::Pages);
                 }
                 match next_fn!(c"mmap", MmapFn) {
                     // SAFETY: the caller's arguments, passed on.
@@ -172,6 +185,27 @@ macro_rules! export_map {
 export_map!(mmap);
 export_map!(mmap64);
 
+type MprotectFn = unsafe extern "C" fn(*mut c_void, usize, c_int) -> c_int;
+
+/// # Safety
+/// As libc's `mprotect`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: c_int) -> c_int {
+    ffi_boundary!("mprotect", quiet, on_panic = -1, {
+        if prot & libc::PROT_READ == 0 {
+            lose(addr, len, Loss::Pages);
+        } else if prot & libc::PROT_WRITE == 0 {
+            lose(addr, len, Loss::Write);
+        }
+        match next_fn!(c"mprotect", MprotectFn) {
+            // SAFETY: the caller's arguments, passed on.
+            Some(real) => unsafe { real(addr, len, prot) },
+            // SAFETY: as above.
+            None => unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) as c_int },
+        }
+    })
+}
+
 /// `MADV_DONTNEED_LOCKED` (Linux 5.18), which the libc crate does not name.
 const MADV_DONTNEED_LOCKED: c_int = 24;
 
@@ -186,7 +220,7 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: c_int) -
             advice,
             libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | MADV_DONTNEED_LOCKED
         ) {
-            pages_go(addr, len);
+            lose(addr, len, Loss::Pages);
         }
         match next_fn!(c"madvise", MadviseFn) {
             // SAFETY: the caller's arguments, passed on.
@@ -206,7 +240,7 @@ pub unsafe extern "C" fn shmdt(addr: *const c_void) -> c_int {
         // (read only when something is registered).
         if anything_registered() {
             if let Some(len) = host_memory::attached_extent(addr as u64) {
-                invalidate_range(addr as u64, len);
+                invalidate_range(addr as u64, len, Loss::Pages);
             }
         }
         match next_fn!(c"shmdt", ShmdtFn) {
@@ -214,6 +248,22 @@ pub unsafe extern "C" fn shmdt(addr: *const c_void) -> c_int {
             Some(real) => unsafe { real(addr) },
             // SAFETY: as above.
             None => unsafe { libc::syscall(libc::SYS_shmdt, addr) as c_int },
+        }
+    })
+}
+
+type PthreadCancelFn = unsafe extern "C" fn(libc::pthread_t) -> c_int;
+
+/// # Safety
+/// As libc's `pthread_cancel`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pthread_cancel(thread: libc::pthread_t) -> c_int {
+    ffi_boundary!("pthread_cancel", quiet, on_panic = libc::ESRCH, {
+        CANCEL_USED.store(true, Ordering::SeqCst);
+        match next_fn!(c"pthread_cancel", PthreadCancelFn) {
+            // SAFETY: the caller's argument, passed on.
+            Some(real) => unsafe { real(thread) },
+            None => libc::ENOSYS,
         }
     })
 }
