@@ -24,7 +24,7 @@
 //!
 //! `mremap` is variadic in C (the new address comes only with `MREMAP_FIXED`); it is defined
 //! here with five fixed arguments, which on x86-64 and AArch64 Linux arrive in the same
-//! registers as the variadic one.
+//! registers as the variadic one (other targets do not interpose it).
 
 use super::boundary::{CANCEL_USED, ffi_boundary};
 use crate::ucp::{Loss, anything_registered, invalidate_range};
@@ -114,6 +114,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> c_int {
 
 /// # Safety
 /// As libc's `mremap`; `new_addr` is read only with `MREMAP_FIXED` (see the module comment).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mremap(
     old: *mut c_void,
