@@ -1,8 +1,85 @@
 //! The C boundary: every export runs inside [`ffi_boundary!`], which catches panics (a panic
 //! unwinding into C aborts the process) and turns them into the failure value of the
 //! function's return type, with errno set.
+//!
+//! **Thread cancellation.** glibc cancels a thread (`pthread_cancel`, `pthread_exit`) by a
+//! *forced unwind* that must run through every frame up to the thread's start. Measured with
+//! Rust 1.95 (x86_64, glibc 2.36): `catch_unwind` catches that foreign unwind and, on deleting
+//! it, glibc aborts ("FATAL: exception not rethrown"); an `extern "C"` frame it reaches aborts
+//! ("panic in a function that cannot unwind"); through `extern "C-unwind"` frames and Rust
+//! frames it passes, running their destructors, except in a frame whose call into C was
+//! declared `extern "C"` (that call site gets no landing pad, so its drops are skipped). Hence:
+//! * inside the boundary, cancellation is disabled (`pthread_setcancelstate`, the caller's
+//!   state restored on the way out), so a pending cancel never acts in ugdr's own code, UCX's,
+//!   or a log write (all full of cancellation points), and the thread is cancelled at its
+//!   next cancellation point after the call, as with rdma-core, whose calls have none. The
+//!   two calls cost about 50 ns per export on the 2-core CI VM (two uncontended CAS there
+//!   cost 27 ns), too much for `ibv_poll_cq` spin loops, so they are made only once the
+//!   process has cancelled a thread: `pthread_cancel` is interposed (`libc_hooks`) and sets
+//!   [`CANCEL_USED`] before it acts. Until then one relaxed load decides. The window left: a
+//!   thread already inside a call when the process's *first* `pthread_cancel` targets it;
+//!   the waits below and the libc hooks disable cancellation always;
+//! * the calls that block as rdma-core's do in `read()` (`ibv_get_cq_event`,
+//!   `ibv_get_async_event`, `rdma_get_cm_event`) are `extern "C-unwind"` and run as
+//!   [`blocking`]: non-blocking attempts inside the boundary, and between them a `poll()` outside
+//!   it, the one place they can be cancelled. `poll` is declared `C-unwind` under glibc's
+//!   public alias `__poll`, so that no `extern "C"` declaration of the same symbol elsewhere in
+//!   the crate graph can strip the call's unwind edge. Cancelled there, nothing of ugdr is held
+//!   (no lock, no event taken), so the objects stay usable and destroyable.
 
+use std::os::fd::RawFd;
 use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+unsafe extern "C" {
+    fn pthread_setcancelstate(state: c_int, old: *mut c_int) -> c_int;
+}
+
+unsafe extern "C-unwind" {
+    /// glibc's `poll` (a cancellation point), by its exported alias; see the module comment.
+    #[link_name = "__poll"]
+    fn poll_cancellable(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -> c_int;
+}
+
+/// `PTHREAD_CANCEL_DISABLE` (glibc).
+const CANCEL_DISABLE: c_int = 1;
+
+/// Set (for good) by the interposed `pthread_cancel` before it cancels a thread.
+pub(crate) static CANCEL_USED: AtomicBool = AtomicBool::new(false);
+
+/// Keeps cancellation disabled on this thread while alive; restores the caller's state.
+pub(crate) struct NoCancel(c_int);
+
+impl NoCancel {
+    /// Disables cancellation.
+    #[inline]
+    pub(crate) fn new() -> NoCancel {
+        let mut old = 0;
+        // SAFETY: sets the calling thread's own state; `old` is a valid out-parameter.
+        unsafe { pthread_setcancelstate(CANCEL_DISABLE, &mut old) };
+        NoCancel(old)
+    }
+
+    /// Disables cancellation if the process ever cancelled a thread (see the module comment).
+    #[inline]
+    pub(crate) fn if_cancel_used() -> NoCancel {
+        if CANCEL_USED.load(Ordering::Relaxed) {
+            NoCancel::new()
+        } else {
+            NoCancel(CANCEL_DISABLE) // nothing to restore
+        }
+    }
+}
+
+impl Drop for NoCancel {
+    #[inline]
+    fn drop(&mut self) {
+        if self.0 != CANCEL_DISABLE {
+            // SAFETY: as above; restoring does not act on a pending cancel (deferred type).
+            unsafe { pthread_setcancelstate(self.0, std::ptr::null_mut()) };
+        }
+    }
+}
 
 /// Sets the calling thread's errno.
 pub(crate) fn set_errno(e: c_int) {
@@ -72,9 +149,20 @@ impl Fallback for u16 {
     }
 }
 
-/// Runs `$body` (which returns the export's type), catching panics. The optional
-/// `on_panic = expr` overrides the failure value (e.g. -1 for `ibv_poll_cq`).
+/// Runs `$body` (which returns the export's type), catching panics, with thread cancellation
+/// disabled (once the process used `pthread_cancel`; always with `quiet`). The optional `on_panic = expr` overrides the failure value (e.g. -1 for
+/// `ibv_poll_cq`). `quiet` skips the logger's lazy set-up (for the libc interposers, which
+/// run before and during it).
 macro_rules! ffi_boundary {
+    (@catch $name:expr, $fallback:expr, $body:block) => {
+        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(|| $body)) {
+            Ok(ret) => ret,
+            Err(_) => {
+                ::tracing::error!("{}: panic caught at the C boundary", $name);
+                $fallback
+            }
+        }
+    };
     ($name:expr, $body:block) => {
         $crate::capi::boundary::ffi_boundary!(
             $name,
@@ -83,14 +171,13 @@ macro_rules! ffi_boundary {
         )
     };
     ($name:expr, on_panic = $fallback:expr, $body:block) => {{
+        let _no_cancel = $crate::capi::boundary::NoCancel::if_cancel_used();
         $crate::log::init();
-        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(|| $body)) {
-            Ok(ret) => ret,
-            Err(_) => {
-                ::tracing::error!("{}: panic caught at the C boundary", $name);
-                $fallback
-            }
-        }
+        $crate::capi::boundary::ffi_boundary!(@catch $name, $fallback, $body)
+    }};
+    ($name:expr, quiet, on_panic = $fallback:expr, $body:block) => {{
+        let _no_cancel = $crate::capi::boundary::NoCancel::new();
+        $crate::capi::boundary::ffi_boundary!(@catch $name, $fallback, $body)
     }};
 }
 pub(crate) use ffi_boundary;
@@ -104,4 +191,69 @@ pub(crate) fn status(r: Result<(), crate::fake_verbs::VerbsError>) -> c_int {
             c_int::fail(e.errno())
         }
     }
+}
+
+/// What one non-blocking attempt of a [`blocking`] export found.
+pub(crate) enum Attempt<R> {
+    /// The export's result.
+    Done(R),
+    /// Nothing yet: wait until one of `fds` is readable (or `timeout_ms` passes; -1: never),
+    /// then attempt again, told which of them were readable.
+    Wait {
+        fds: [RawFd; 2],
+        count: usize,
+        timeout_ms: c_int,
+    },
+    /// Not ugdr's object: run this outside the boundary (the real library's blocking call,
+    /// itself cancellable).
+    Outside(Box<dyn FnOnce() -> R>),
+}
+
+/// Runs an export that blocks until an event, cancellable as rdma-core's `read()` is (see the
+/// module comment). `attempt` runs inside the boundary and must not block; it is told which
+/// fds of the last `Wait` were readable (none on the first call).
+///
+/// Call only from an `extern "C-unwind"` export.
+pub(crate) fn blocking<R>(
+    name: &str,
+    on_panic: impl Fn() -> R,
+    mut attempt: impl FnMut([bool; 2]) -> Attempt<R>,
+) -> R {
+    let mut ready = [false; 2];
+    loop {
+        // Always without cancellation: these threads are the ones applications cancel.
+        let no_cancel = NoCancel::new();
+        let step = ffi_boundary!(name, on_panic = Attempt::Done(on_panic()), {
+            attempt(ready)
+        });
+        drop(no_cancel);
+        match step {
+            Attempt::Done(r) => return r,
+            Attempt::Outside(call) => return call(),
+            Attempt::Wait {
+                fds,
+                count,
+                timeout_ms,
+            } => ready = wait_readable(&fds[..count.min(2)], timeout_ms),
+        }
+    }
+}
+
+/// Blocks in `poll()` — a cancellation point, so only outside the boundary — until one of
+/// `fds` is readable or the timeout passes; which of them are readable.
+fn wait_readable(fds: &[RawFd], timeout_ms: c_int) -> [bool; 2] {
+    let mut pfds = [libc::pollfd {
+        fd: -1,
+        events: libc::POLLIN,
+        revents: 0,
+    }; 2];
+    for (p, &fd) in pfds.iter_mut().zip(fds) {
+        p.fd = fd;
+    }
+    // SAFETY: `pfds` holds `fds.len()` (<= 2) initialized pollfd structs.
+    let n = unsafe { poll_cancellable(pfds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+    if n <= 0 {
+        return [false; 2]; // timeout or EINTR: attempt again
+    }
+    [pfds[0].revents != 0, pfds[1].revents != 0]
 }

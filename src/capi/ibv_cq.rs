@@ -1,6 +1,6 @@
 //! Completion channels and completion queues (`ibv_cq` and `ibv_cq_ex`).
 
-use super::boundary::{Fallback, ffi_boundary, set_errno, status};
+use super::boundary::{Attempt, Fallback, blocking, ffi_boundary, set_errno, status};
 use super::layout::{CHANNELS, ChannelShell, ContextShell, CqShell, owned_context};
 use super::{ops, passthrough};
 use crate::engine::Engine;
@@ -256,60 +256,80 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     })
 }
 
-/// Returns 0, or -1 with errno set (EAGAIN on a non-blocking channel with no event).
+/// Returns 0, or -1 with errno set (EAGAIN on a non-blocking channel with no event). Blocks
+/// as rdma-core's does, in a cancellation point (`pthread_cancel` ends the thread there; see
+/// `boundary`). While it waits it also watches the UCX worker's event fd and progresses when
+/// it fires, so the waiting thread delivers its own completion instead of waiting for the
+/// progress thread to wake first.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_get_cq_event(
+pub unsafe extern "C-unwind" fn ibv_get_cq_event(
     ch: *mut ibv_comp_channel,
     cq_out: *mut *mut ibv_cq,
     cq_context_out: *mut *mut c_void,
 ) -> c_int {
-    ffi_boundary!("ibv_get_cq_event", on_panic = -1, {
-        // SAFETY: checked against the registry first.
-        let Some(shell) = (unsafe { our_channel(ch) }) else {
-            return match passthrough::ibv_get_cq_event() {
-                // SAFETY: not ours, so the real library's channel.
-                Some(real) if !ch.is_null() => unsafe { real(ch, cq_out, cq_context_out) },
-                _ => {
-                    set_errno(libc::EINVAL);
-                    -1
-                }
-            };
-        };
-        if cq_out.is_null() || cq_context_out.is_null() {
-            set_errno(libc::EINVAL);
-            return -1;
-        }
-        let waited = match Engine::running() {
-            Some(engine) => {
-                // SAFETY: the worker's event fd lives as long as the worker (the process).
-                let efd = unsafe { std::os::fd::BorrowedFd::borrow_raw(engine.worker.event_fd()) };
-                shell
-                    .inner
-                    .events
-                    .wait_or(efd, || engine.progress_for_waiter())
-            }
-            None => shell.inner.events.wait(),
-        };
-        match waited {
-            Ok(handle) => {
-                let cq = handle as *mut ibv_cq_ex;
-                // SAFETY: events carry live CQ shells (a CQ's events are discarded when it is
-                // destroyed); the out-parameters were checked non-NULL.
-                unsafe {
-                    if let Some(cq_shell) = CqShell::from_raw(cq) {
-                        cq_shell.inner.event_delivered();
+    blocking(
+        "ibv_get_cq_event",
+        || -1,
+        |ready| {
+            // SAFETY: checked against the registry first.
+            let Some(shell) = (unsafe { our_channel(ch) }) else {
+                return match passthrough::ibv_get_cq_event() {
+                    Some(real) if !ch.is_null() => Attempt::Outside(Box::new(move || {
+                        // SAFETY: not ours, so the real library's channel.
+                        unsafe { real(ch, cq_out, cq_context_out) }
+                    })),
+                    _ => {
+                        set_errno(libc::EINVAL);
+                        Attempt::Done(-1)
                     }
-                    *cq_out = cq.cast();
-                    *cq_context_out = (*cq).cq_context;
+                };
+            };
+            if cq_out.is_null() || cq_context_out.is_null() {
+                set_errno(libc::EINVAL);
+                return Attempt::Done(-1);
+            }
+            let engine = Engine::running();
+            if let (true, Some(engine)) = (ready[1], engine) {
+                engine.progress_for_waiter();
+            }
+            let events = &shell.inner.events;
+            match events.try_wait() {
+                Ok(Some(handle)) => {
+                    let cq = handle as *mut ibv_cq_ex;
+                    // SAFETY: events carry live CQ shells (a CQ's events are discarded when it is
+                    // destroyed); the out-parameters were checked non-NULL.
+                    unsafe {
+                        if let Some(cq_shell) = CqShell::from_raw(cq) {
+                            cq_shell.inner.event_delivered();
+                        }
+                        *cq_out = cq.cast();
+                        *cq_context_out = (*cq).cq_context;
+                    }
+                    Attempt::Done(0)
                 }
-                0
+                Ok(None) if events.is_nonblocking() => {
+                    set_errno(libc::EAGAIN);
+                    Attempt::Done(-1)
+                }
+                Ok(None) => match engine {
+                    Some(engine) => Attempt::Wait {
+                        fds: [events.fd(), engine.worker.event_fd()],
+                        count: 2,
+                        timeout_ms: 100,
+                    },
+                    None => Attempt::Wait {
+                        fds: [events.fd(), -1],
+                        count: 1,
+                        timeout_ms: -1,
+                    },
+                },
+                Err(e) => {
+                    set_errno(e.errno());
+                    Attempt::Done(-1)
+                }
             }
-            Err(e) => {
-                set_errno(e.errno());
-                -1
-            }
-        }
-    })
+        },
+    )
 }
 
 #[unsafe(no_mangle)]

@@ -1,6 +1,6 @@
 //! Devices, contexts, ports, GIDs, P_Keys and asynchronous events.
 
-use super::boundary::{Fallback, ffi_boundary, set_errno};
+use super::boundary::{Attempt, Fallback, blocking, ffi_boundary, set_errno};
 use super::layout::{ContextShell, DeviceShell};
 use super::{ops, passthrough};
 use crate::engine::{Engine, host_network};
@@ -611,48 +611,66 @@ pub unsafe extern "C" fn ibv_get_pkey_index(ctx: *mut ibv_context, port: u8, pke
     })
 }
 
-/// Blocks until an asynchronous event (unless `async_fd` is non-blocking); 0, or -1.
+/// Blocks until an asynchronous event (unless `async_fd` is non-blocking); 0, or -1. The wait
+/// is a cancellation point, as rdma-core's `read()` (see `boundary`).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_get_async_event(
+pub unsafe extern "C-unwind" fn ibv_get_async_event(
     ctx: *mut ibv_context,
     event: *mut ibv_async_event,
 ) -> c_int {
-    ffi_boundary!("ibv_get_async_event", on_panic = -1, {
-        // SAFETY: ContextShell::from_raw checks ownership first.
-        let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
-            return match passthrough::ibv_get_async_event() {
-                // SAFETY: not ours, so the real library's context.
-                Some(real) if !ctx.is_null() => unsafe { real(ctx, event) },
-                _ => -1,
-            };
-        };
-        if event.is_null() {
-            set_errno(libc::EINVAL);
-            return -1;
-        }
-        match shell.inner.next_event() {
-            Ok(ev) => {
-                let mut out = ibv_async_event {
-                    event_type: ibv_event_type(ev.event_type),
-                    ..Default::default()
+    blocking(
+        "ibv_get_async_event",
+        || -1,
+        |_| {
+            // SAFETY: ContextShell::from_raw checks ownership first.
+            let Some(shell) = (unsafe { ContextShell::from_raw(ctx) }) else {
+                return match passthrough::ibv_get_async_event() {
+                    Some(real) if !ctx.is_null() => Attempt::Outside(Box::new(move || {
+                        // SAFETY: not ours, so the real library's context.
+                        unsafe { real(ctx, event) }
+                    })),
+                    _ => Attempt::Done(-1),
                 };
-                match EventElement::of(ev.event_type) {
-                    EventElement::Cq => out.element.cq = ev.element as *mut ibv_cq,
-                    EventElement::Qp => out.element.qp = ev.element as *mut ibv_qp,
-                    EventElement::Srq => out.element.srq = ev.element as *mut ibv_srq,
-                    EventElement::Wq => out.element.wq = ev.element as *mut ibv_wq,
-                    EventElement::Port => out.element.port_num = ev.element as c_int,
+            };
+            if event.is_null() {
+                set_errno(libc::EINVAL);
+                return Attempt::Done(-1);
+            }
+            let context = &shell.inner;
+            let ev = match context.try_next_event() {
+                Ok(Some(ev)) => ev,
+                Ok(None) if context.async_events_nonblocking() => {
+                    set_errno(libc::EAGAIN);
+                    return Attempt::Done(-1);
                 }
-                // SAFETY: caller's out-parameter, checked non-NULL.
-                unsafe { event.write(out) };
-                0
+                Ok(None) => {
+                    return Attempt::Wait {
+                        fds: [context.async_fd(), -1],
+                        count: 1,
+                        timeout_ms: -1,
+                    };
+                }
+                Err(e) => {
+                    set_errno(e.errno());
+                    return Attempt::Done(-1);
+                }
+            };
+            let mut out = ibv_async_event {
+                event_type: ibv_event_type(ev.event_type),
+                ..Default::default()
+            };
+            match EventElement::of(ev.event_type) {
+                EventElement::Cq => out.element.cq = ev.element as *mut ibv_cq,
+                EventElement::Qp => out.element.qp = ev.element as *mut ibv_qp,
+                EventElement::Srq => out.element.srq = ev.element as *mut ibv_srq,
+                EventElement::Wq => out.element.wq = ev.element as *mut ibv_wq,
+                EventElement::Port => out.element.port_num = ev.element as c_int,
             }
-            Err(e) => {
-                set_errno(e.errno());
-                -1
-            }
-        }
-    })
+            // SAFETY: caller's out-parameter, checked non-NULL.
+            unsafe { event.write(out) };
+            Attempt::Done(0)
+        },
+    )
 }
 
 /// Acknowledges an event `ibv_get_async_event` returned: destroying the object it names waits

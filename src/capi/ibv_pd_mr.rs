@@ -1,14 +1,20 @@
-//! Protection domains and memory regions.
+//! Protection domains and memory regions. Registration checks the memory first (EFAULT for
+//! ranges that are not mapped with the access needed, as the kernel's pinning); a region whose
+//! memory the application later unmaps or replaces is invalidated (`ucp::memory`, and the
+//! interposed libc calls in `libc_memory`).
 
 use super::boundary::{Fallback, ffi_boundary, status};
 use super::layout::{ContextShell, MrShell, PdShell, owned_context};
 use super::passthrough;
-use crate::fake_verbs::mr::MemoryRegion;
+use crate::fake_verbs::VerbsError;
+use crate::fake_verbs::mr::{self, MemoryRegion};
 use crate::fake_verbs::pd::ProtectionDomain;
 use crate::sys::*;
 use crate::ucp::AppRegion;
+use crate::ugdr::host_memory;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_void};
+use std::sync::Arc;
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
@@ -65,6 +71,27 @@ pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
     })
 }
 
+/// Registers `[addr, addr + len)` of host memory for `pd` (`ibv_reg_mr*` and `ugdr_reg_mr`):
+/// the argument checks (EINVAL) first, then the memory must be mapped, and writable when the
+/// access flags let anyone write there (EFAULT otherwise, as the kernel's pinning fails), all
+/// decided without touching the memory (`ugdr::host_memory`).
+pub(crate) fn register_host(
+    pd: &Arc<ProtectionDomain>,
+    addr: u64,
+    len: u64,
+    iova: u64,
+    access: u32,
+) -> Result<Arc<MemoryRegion>, VerbsError> {
+    MemoryRegion::validate(addr, len, iova, access)?;
+    let writable = mr::needs_writable(access);
+    host_memory::check(addr, len, writable)?;
+    // SAFETY: mapped host memory (checked above) that the application registers and promises
+    // to keep until it deregisters it; unmapping it (or taking away the access it needs)
+    // earlier invalidates the region first (`ucp::memory`): AppRegion's contract.
+    let region = unsafe { AppRegion::new(addr, len, writable) };
+    MemoryRegion::register(pd, region, iova, access)
+}
+
 fn register(
     pd: *mut ibv_pd,
     shell: &PdShell,
@@ -76,10 +103,7 @@ fn register(
     if addr.is_null() && length != 0 {
         return <*mut ibv_mr>::fail(libc::EINVAL);
     }
-    // SAFETY: the application registers [addr, addr+length) and promises it stays valid
-    // until ibv_dereg_mr, which is AppRegion's contract.
-    let region = unsafe { AppRegion::new(addr as u64, length as u64) };
-    match MemoryRegion::register(&shell.inner, region, iova, access) {
+    match register_host(&shell.inner, addr as u64, length as u64, iova, access) {
         Ok(mr) => {
             // SAFETY: reading the PD's context field of our own PD.
             let context = unsafe { (*shell.as_raw()).context };

@@ -544,24 +544,45 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
 
 // ------------------------------------------------------------------ post paths
 
+/// An SGE as an application lays it out (`struct ibv_sge`, `struct ugdr_sge`).
+pub(crate) trait AppSge {
+    fn sge(&self) -> Sge;
+}
+
+impl AppSge for ibv_sge {
+    fn sge(&self) -> Sge {
+        Sge {
+            addr: self.addr,
+            length: self.length,
+            lkey: self.lkey,
+        }
+    }
+}
+
+/// Reads the application's SGE array. `num_sge` is checked against the queue's limit `max`
+/// before any entry is read, as rxe's `validate_send_wr` does: the count is the application's
+/// word only, and trusting it would read past a short array (EINVAL, the WR becomes `bad_wr`).
+///
 /// # Safety
-/// `sg_list` holds `num_sge` readable entries (or `num_sge` is 0).
-pub(crate) unsafe fn read_sges(
-    sg_list: *const ibv_sge,
+/// `sg_list` holds `num_sge` readable entries whenever `0 < num_sge <= max`.
+pub(crate) unsafe fn read_sges<S: AppSge>(
+    sg_list: *const S,
     num_sge: c_int,
+    max: u32,
 ) -> Result<SgeList, VerbsError> {
-    if num_sge < 0 || (num_sge > 0 && sg_list.is_null()) {
-        return Err(VerbsError::Invalid("num_sge/sg_list"));
+    let Ok(count) = u32::try_from(num_sge) else {
+        return Err(VerbsError::Invalid("negative num_sge"));
+    };
+    if count > max {
+        return Err(VerbsError::Invalid("num_sge above the queue's max_sge"));
+    }
+    if count > 0 && sg_list.is_null() {
+        return Err(VerbsError::Invalid("NULL sg_list"));
     }
     let mut out = SgeList::new();
-    for i in 0..num_sge as usize {
-        // SAFETY: within the caller's array.
-        let s = unsafe { &*sg_list.add(i) };
-        out.push(Sge {
-            addr: s.addr,
-            length: s.length,
-            lkey: s.lkey,
-        });
+    for i in 0..count as usize {
+        // SAFETY: within the caller's array (count <= max checked above).
+        out.push(unsafe { &*sg_list.add(i) }.sge());
     }
     Ok(out)
 }
@@ -602,17 +623,17 @@ unsafe fn ud_destination(
 /// `wr` points to a valid `ibv_send_wr`.
 unsafe fn send_request(
     wr: *const ibv_send_wr,
-    max_inline: u32,
+    caps: &QpCaps,
     qp_type: QpType,
 ) -> Result<SendRequest, VerbsError> {
     // SAFETY: caller's contract.
     let w = unsafe { &*wr };
     let opcode = SendOpcode::from_raw(w.opcode.0).ok_or(VerbsError::Invalid("opcode"))?;
     // SAFETY: sg_list/num_sge come from the same WR.
-    let sges = unsafe { read_sges(w.sg_list, w.num_sge) }?;
+    let sges = unsafe { read_sges(w.sg_list, w.num_sge, caps.max_send_sge) }?;
     let inline = w.send_flags & SEND_INLINE != 0;
     let inline_data = if inline {
-        if sges.iter().map(|s| u64::from(s.length)).sum::<u64>() > u64::from(max_inline) {
+        if sges.iter().map(|s| u64::from(s.length)).sum::<u64>() > u64::from(caps.max_inline_data) {
             return Err(VerbsError::Invalid("inline data above max_inline_data"));
         }
         Some(inline_bytes(&sges))
@@ -683,7 +704,7 @@ pub(crate) unsafe extern "C" fn post_send(
         let mut cur = wr;
         while !cur.is_null() {
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
-            let result = unsafe { send_request(cur, qp_obj.caps.max_inline_data, qp_obj.qp_type) }
+            let result = unsafe { send_request(cur, &qp_obj.caps, qp_obj.qp_type) }
                 .and_then(|req| qp_obj.post_send(&locked, req));
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
@@ -721,15 +742,16 @@ pub(crate) unsafe extern "C" fn post_recv(
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
             let w = unsafe { &*cur };
             // SAFETY: sg_list/num_sge of the same WR.
-            let result = unsafe { read_sges(w.sg_list, w.num_sge) }.and_then(|sges| {
-                qp_obj.post_recv(
-                    &locked,
-                    RecvRequest {
-                        wr_id: w.wr_id,
-                        sges,
-                    },
-                )
-            });
+            let result = unsafe { read_sges(w.sg_list, w.num_sge, qp_obj.caps.max_recv_sge) }
+                .and_then(|sges| {
+                    qp_obj.post_recv(
+                        &locked,
+                        RecvRequest {
+                            wr_id: w.wr_id,
+                            sges,
+                        },
+                    )
+                });
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: post_recv: {e}", qp_obj.qp_num);
                 if !bad_wr.is_null() {
@@ -894,12 +916,18 @@ unsafe extern "C" fn wr_set_sge(qp: *mut ibv_qp_ex, lkey: u32, addr: u64, length
     })
 }
 
+/// More SGEs than the QP's `max_send_sge` is ENOSPC at `ibv_wr_complete` (rxe's answer),
+/// decided before the list is read.
 unsafe extern "C" fn wr_set_sge_list(qp: *mut ibv_qp_ex, num_sge: usize, sg_list: *const ibv_sge) {
     ffi_boundary!("ibv_wr_set_sge_list", {
         // SAFETY: see `batch`.
-        let (_, b) = unsafe { batch(qp) };
-        // SAFETY: the caller's array of `num_sge` entries.
-        match unsafe { read_sges(sg_list, c_int::try_from(num_sge).unwrap_or(-1)) } {
+        let (shell, b) = unsafe { batch(qp) };
+        if num_sge > shell.inner.caps.max_send_sge as usize {
+            b.error.get_or_insert(libc::ENOSPC);
+            return;
+        }
+        // SAFETY: the caller's array of `num_sge` entries (within the QP's limit).
+        match unsafe { read_sges(sg_list, num_sge as c_int, shell.inner.caps.max_send_sge) } {
             Ok(sges) => with_last(b, |r| r.sges = sges),
             Err(_) => {
                 b.error.get_or_insert(libc::EINVAL);
@@ -912,7 +940,11 @@ unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, l
     ffi_boundary!("ibv_wr_set_inline_data", {
         // SAFETY: see `batch`.
         let (shell, b) = unsafe { batch(qp) };
-        if length > shell.inner.caps.max_inline_data as usize || (addr.is_null() && length > 0) {
+        if length > shell.inner.caps.max_inline_data as usize {
+            b.error.get_or_insert(libc::ENOSPC);
+            return;
+        }
+        if addr.is_null() && length > 0 {
             b.error.get_or_insert(libc::EINVAL);
             return;
         }
@@ -926,6 +958,9 @@ unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, l
     })
 }
 
+/// The buffers are read one by one while their total stays within `max_inline_data`; a
+/// list that goes beyond (or that has more buffers than the limit has bytes, so some are
+/// empty) is ENOSPC at `ibv_wr_complete`, as rxe, and nothing past that point is read.
 unsafe extern "C" fn wr_set_inline_data_list(
     qp: *mut ibv_qp_ex,
     num_buf: usize,
@@ -934,24 +969,29 @@ unsafe extern "C" fn wr_set_inline_data_list(
     ffi_boundary!("ibv_wr_set_inline_data_list", {
         // SAFETY: see `batch`.
         let (shell, b) = unsafe { batch(qp) };
+        let max = shell.inner.caps.max_inline_data as usize;
+        if num_buf > max {
+            b.error.get_or_insert(libc::ENOSPC);
+            return;
+        }
         if num_buf > 0 && buf_list.is_null() {
             b.error.get_or_insert(libc::EINVAL);
             return;
         }
         let mut data = Vec::new();
         for i in 0..num_buf {
-            // SAFETY: the caller's array of `num_buf` buffers, each valid during this call.
+            // SAFETY: the caller's array of `num_buf` buffers (within the limit checked above).
             let buf = unsafe { &*buf_list.add(i) };
+            if buf.length > max - data.len() {
+                b.error.get_or_insert(libc::ENOSPC);
+                return;
+            }
             if buf.length > 0 {
-                // SAFETY: as above.
+                // SAFETY: the application's buffer, valid during this call.
                 data.extend_from_slice(unsafe {
                     std::slice::from_raw_parts(buf.addr as *const u8, buf.length)
                 });
             }
-        }
-        if data.len() > shell.inner.caps.max_inline_data as usize {
-            b.error.get_or_insert(libc::EINVAL);
-            return;
         }
         with_last(b, |r| r.inline_data = Some(data));
     })

@@ -206,12 +206,13 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
             let w = unsafe { &*cur };
             // SAFETY: sg_list/num_sge of the same WR.
             let posted =
-                unsafe { super::ibv_qp::read_sges(w.sg_list, w.num_sge) }.and_then(|sges| {
-                    shell.inner.post(RecvRequest {
-                        wr_id: w.wr_id,
-                        sges,
-                    })
-                });
+                unsafe { super::ibv_qp::read_sges(w.sg_list, w.num_sge, shell.inner.max_sge) }
+                    .and_then(|sges| {
+                        shell.inner.post(RecvRequest {
+                            wr_id: w.wr_id,
+                            sges,
+                        })
+                    });
             if let Err(e) = posted {
                 if !bad_wr.is_null() {
                     // SAFETY: the caller's out-parameter.

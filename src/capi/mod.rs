@@ -12,6 +12,7 @@ mod ibv_pd_mr;
 mod ibv_qp;
 mod ibv_srq;
 pub(crate) mod layout;
+mod libc_hooks;
 mod ops;
 mod passthrough;
 mod rdma_cm;

@@ -9,10 +9,22 @@
 use crate::sys::*;
 use std::os::raw::{c_int, c_void};
 
+/// Each entry is `name @ "VERSION": fn(args) -> ret;`, or `… : [unwind] fn(…)` for a function
+/// that blocks in a cancellation point (its pointer is `extern "C-unwind"`, so that
+/// `pthread_cancel`'s forced unwind may pass through it; see `boundary`).
 macro_rules! real_functions {
-    ($($name:ident @ $ver:literal : fn($($arg:ty),*) -> $ret:ty;)*) => {$(
+    ($($name:ident @ $ver:literal : $([$unwind:ident])? fn($($arg:ty),*) -> $ret:ty;)*) => {$(
+        real_functions!(@one $name, $ver, [$($unwind)?], ($($arg),*), $ret);
+    )*};
+    (@one $name:ident, $ver:literal, [], ($($arg:ty),*), $ret:ty) => {
+        real_functions!(@abi $name, $ver, "C", ($($arg),*), $ret);
+    };
+    (@one $name:ident, $ver:literal, [unwind], ($($arg:ty),*), $ret:ty) => {
+        real_functions!(@abi $name, $ver, "C-unwind", ($($arg),*), $ret);
+    };
+    (@abi $name:ident, $ver:literal, $abi:tt, ($($arg:ty),*), $ret:ty) => {
         /// The real libibverbs function of this name and version, if libibverbs is loaded.
-        pub(crate) fn $name() -> Option<unsafe extern "C" fn($($arg),*) -> $ret> {
+        pub(crate) fn $name() -> Option<unsafe extern $abi fn($($arg),*) -> $ret> {
             static ADDR: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
             let addr = *ADDR.get_or_init(|| {
                 let name = concat!(stringify!($name), "\0");
@@ -25,9 +37,9 @@ macro_rules! real_functions {
             }
             // SAFETY: the symbol of this name and version node has this C signature
             // (infiniband/verbs.h of rdma-core 44).
-            Some(unsafe { std::mem::transmute::<usize, unsafe extern "C" fn($($arg),*) -> $ret>(addr) })
+            Some(unsafe { std::mem::transmute::<usize, unsafe extern $abi fn($($arg),*) -> $ret>(addr) })
         }
-    )*};
+    };
 }
 
 pub(crate) use real_functions;
@@ -47,7 +59,7 @@ real_functions! {
     _ibv_query_gid_table @ "IBVERBS_1.11": fn(*mut ibv_context, *mut ibv_gid_entry, usize, u32, usize) -> isize;
     ibv_query_pkey @ "IBVERBS_1.1": fn(*mut ibv_context, u8, c_int, *mut u16) -> c_int;
     ibv_get_pkey_index @ "IBVERBS_1.5": fn(*mut ibv_context, u8, u16) -> c_int;
-    ibv_get_async_event @ "IBVERBS_1.1": fn(*mut ibv_context, *mut ibv_async_event) -> c_int;
+    ibv_get_async_event @ "IBVERBS_1.1": [unwind] fn(*mut ibv_context, *mut ibv_async_event) -> c_int;
     ibv_ack_async_event @ "IBVERBS_1.1": fn(*mut ibv_async_event) -> ();
     ibv_alloc_pd @ "IBVERBS_1.1": fn(*mut ibv_context) -> *mut ibv_pd;
     ibv_dealloc_pd @ "IBVERBS_1.1": fn(*mut ibv_pd) -> c_int;
@@ -60,7 +72,7 @@ real_functions! {
     ibv_create_cq @ "IBVERBS_1.1": fn(*mut ibv_context, c_int, *mut c_void, *mut ibv_comp_channel, c_int) -> *mut ibv_cq;
     ibv_resize_cq @ "IBVERBS_1.1": fn(*mut ibv_cq, c_int) -> c_int;
     ibv_destroy_cq @ "IBVERBS_1.1": fn(*mut ibv_cq) -> c_int;
-    ibv_get_cq_event @ "IBVERBS_1.1": fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int;
+    ibv_get_cq_event @ "IBVERBS_1.1": [unwind] fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int;
     ibv_ack_cq_events @ "IBVERBS_1.1": fn(*mut ibv_cq, u32) -> ();
     ibv_create_qp @ "IBVERBS_1.1": fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp;
     ibv_query_qp @ "IBVERBS_1.1": fn(*mut ibv_qp, *mut ibv_qp_attr, c_int, *mut ibv_qp_init_attr) -> c_int;

@@ -6,6 +6,8 @@
 
 use super::boundary::{Fallback, ffi_boundary, set_errno, status};
 use super::ibv_device::shut_down_at_exit;
+use super::ibv_pd_mr::register_host;
+use super::ibv_qp::{AppSge, read_sges};
 use crate::engine::Engine;
 use crate::fake_verbs::VerbsError;
 use crate::fake_verbs::context::DeviceContext;
@@ -15,12 +17,11 @@ use crate::fake_verbs::mr::MemoryRegion;
 use crate::fake_verbs::pd::ProtectionDomain;
 use crate::fake_verbs::qp::{QpCaps, QueuePair};
 use crate::fake_verbs::qp_state::QpType;
-use crate::fake_verbs::work::{RecvRequest, SendRequest, Sge, SgeList, WorkCompletion};
+use crate::fake_verbs::work::{RecvRequest, SendRequest, Sge, WorkCompletion};
 use crate::topology;
-use crate::ucp::AppRegion;
 use crate::ugdr::address::{ADDR_LEN, PortAddress};
 use crate::ugdr::modify::{UgdrModify, plan};
-use crate::ugdr::{self as core, SEND_INLINE, SEND_SIGNALED, host_memory};
+use crate::ugdr::{self as core, SEND_INLINE, SEND_SIGNALED};
 use std::collections::HashMap;
 use std::mem::{offset_of, size_of};
 use std::os::raw::{c_char, c_int, c_void};
@@ -428,11 +429,7 @@ pub unsafe extern "C" fn ugdr_reg_mr(
                     "GPU memory (needs a UCX built with CUDA; see README)",
                 ));
             }
-            host_memory::check(addr as u64, length as u64, core::access_writes(bits))?;
-            // SAFETY: mapped host memory (checked above) that the application registers and
-            // keeps valid until ugdr_dereg_mr: AppRegion's contract.
-            let region = unsafe { AppRegion::new(addr as u64, length as u64) };
-            MemoryRegion::register(&p.inner, region, addr as u64, bits)
+            register_host(&p.inner, addr as u64, length as u64, addr as u64, bits)
         });
         match result {
             Ok(mr) => {
@@ -716,37 +713,28 @@ pub unsafe extern "C" fn ugdr_destroy_qp(qp: *mut UgdrQp) -> c_int {
     })
 }
 
-/// # Safety
-/// `sg_list` holds `num_sge` readable entries (or `num_sge` is 0).
-unsafe fn read_sges(sg_list: *const ugdr_sge, num_sge: c_int) -> Result<SgeList, VerbsError> {
-    if num_sge < 0 || (num_sge > 0 && sg_list.is_null()) {
-        return Err(VerbsError::Invalid("num_sge/sg_list"));
+impl AppSge for ugdr_sge {
+    fn sge(&self) -> Sge {
+        Sge {
+            addr: self.addr,
+            length: self.length,
+            lkey: self.lkey,
+        }
     }
-    let mut out = SgeList::new();
-    for i in 0..num_sge as usize {
-        // SAFETY: within the caller's array.
-        let s = unsafe { &*sg_list.add(i) };
-        out.push(Sge {
-            addr: s.addr,
-            length: s.length,
-            lkey: s.lkey,
-        });
-    }
-    Ok(out)
 }
 
 /// # Safety
 /// `w` is the caller's valid send WR; inline SGEs point at readable bytes.
-unsafe fn send_request(w: &ugdr_send_wr, max_inline: u32) -> Result<SendRequest, VerbsError> {
+unsafe fn send_request(w: &ugdr_send_wr, caps: &QpCaps) -> Result<SendRequest, VerbsError> {
     if w.send_flags & !(SEND_SIGNALED | SEND_INLINE) != 0 {
         return Err(VerbsError::Invalid("unknown send_flags"));
     }
     let opcode = core::send_opcode(w.opcode)?;
     // SAFETY: sg_list/num_sge of the same WR.
-    let sges = unsafe { read_sges(w.sg_list, w.num_sge) }?;
+    let sges = unsafe { read_sges(w.sg_list, w.num_sge, caps.max_send_sge) }?;
     let inline_data = if w.send_flags & SEND_INLINE != 0 {
         let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
-        if total > u64::from(max_inline) {
+        if total > u64::from(caps.max_inline_data) {
             return Err(VerbsError::Invalid("inline data above the QP's limit"));
         }
         let mut bytes = Vec::with_capacity(total as usize);
@@ -801,8 +789,8 @@ pub unsafe extern "C" fn ugdr_post_send(
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
             let w = unsafe { &*cur };
             // SAFETY: as above.
-            let result = unsafe { send_request(w, q.caps.max_inline_data) }
-                .and_then(|req| q.post_send(&locked, req));
+            let result =
+                unsafe { send_request(w, &q.caps) }.and_then(|req| q.post_send(&locked, req));
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: ugdr_post_send: {e}", q.qp_num);
                 if !bad_wr.is_null() {
@@ -839,15 +827,16 @@ pub unsafe extern "C" fn ugdr_post_recv(
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
             let w = unsafe { &*cur };
             // SAFETY: sg_list/num_sge of the same WR.
-            let result = unsafe { read_sges(w.sg_list, w.num_sge) }.and_then(|sges| {
-                q.post_recv(
-                    &locked,
-                    RecvRequest {
-                        wr_id: w.wr_id,
-                        sges,
-                    },
-                )
-            });
+            let result =
+                unsafe { read_sges(w.sg_list, w.num_sge, q.caps.max_recv_sge) }.and_then(|sges| {
+                    q.post_recv(
+                        &locked,
+                        RecvRequest {
+                            wr_id: w.wr_id,
+                            sges,
+                        },
+                    )
+                });
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: ugdr_post_recv: {e}", q.qp_num);
                 if !bad_wr.is_null() {

@@ -150,20 +150,42 @@ impl EventChannel {
 
     fn next_live(&self) -> Result<CmEvent, CmError> {
         loop {
-            let event = self.queue.wait()?;
-            if let Some(listener) = &event.listen_id {
-                listener.request_taken();
-                if listener.is_destroyed() {
-                    event.id.destroy();
-                    continue;
-                }
+            if let Some(event) = live(self.queue.wait()?) {
+                return Ok(event);
             }
-            if event.id.is_destroyed() {
-                continue;
-            }
-            return Ok(event);
         }
     }
+
+    /// Like [`EventChannel::next`] without blocking: `None` while no event is queued (the C
+    /// layer then waits for the fd itself, where `pthread_cancel` may end the thread).
+    pub fn try_next(&self) -> Result<Option<CmEvent>, CmError> {
+        while let Some(event) = self.queue.try_wait()? {
+            if let Some(event) = live(event) {
+                return Ok(Some(event));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether the application made the channel's fd non-blocking.
+    pub fn is_nonblocking(&self) -> bool {
+        self.queue.is_nonblocking()
+    }
+}
+
+/// The event, unless its id (or the listener it came to) was destroyed meanwhile.
+fn live(event: CmEvent) -> Option<CmEvent> {
+    if let Some(listener) = &event.listen_id {
+        listener.request_taken();
+        if listener.is_destroyed() {
+            event.id.destroy();
+            return None;
+        }
+    }
+    if event.id.is_destroyed() {
+        return None;
+    }
+    Some(event)
 }
 
 impl CmId {

@@ -70,6 +70,8 @@ pub struct LocalMemory {
     /// application no longer maps them.
     backings: Mutex<Vec<Arc<Backing>>>,
     mr_slots: Mutex<SlotAllocator>,
+    /// The pages each published region slot reaches: `[start, end)`.
+    published: Mutex<HashMap<usize, (u64, u64)>>,
 }
 
 struct SlotAllocator {
@@ -103,6 +105,7 @@ impl LocalMemory {
             mr_slots: Mutex::new(SlotAllocator {
                 free: (0..MR_SLOTS as u16).rev().collect(),
             }),
+            published: Mutex::new(HashMap::new()),
         })
     }
 
@@ -171,6 +174,10 @@ impl LocalMemory {
         s.backing_offset
             .store(backing.offset_of(start), Ordering::Relaxed);
         s.seq.store(seq + 1, Ordering::Release);
+        self.published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(usize::from(slot), (start, start + len));
         Some(PublishedRegion {
             slot: usize::from(slot),
             _backing: backing,
@@ -179,11 +186,45 @@ impl LocalMemory {
 
     /// Withdraws a region: once this returns, no peer reads or writes it any more.
     pub fn withdraw_region(&self, region: PublishedRegion) {
-        let s = self.table.mr(region.slot);
+        self.published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&region.slot);
+        self.invalidate_slot(region.slot);
+        self.wait_all_unlocked();
+    }
+
+    /// The application unmaps, remaps or protects `[start, start + len)`: every region whose
+    /// pages overlap it is withdrawn (its MR is dead from now on; the message path refuses it
+    /// too). Once this returns, no peer reads or writes those pages any more.
+    pub fn withdraw_overlapping(&self, start: u64, len: u64) {
+        let end = start.saturating_add(len);
+        let hit: Vec<usize> = self
+            .published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, (s, e))| *s < end && *e > start)
+            .map(|(slot, _)| *slot)
+            .collect();
+        if hit.is_empty() {
+            return;
+        }
+        for slot in hit {
+            self.invalidate_slot(slot);
+        }
+        self.wait_all_unlocked();
+    }
+
+    fn invalidate_slot(&self, slot: usize) {
+        let s = self.table.mr(slot);
         let seq = s.seq.load(Ordering::Relaxed);
         if seq % 2 == 0 {
             s.seq.store(seq + 1, Ordering::SeqCst);
         }
+    }
+
+    fn wait_all_unlocked(&self) {
         for i in 0..QP_SLOTS {
             self.wait_unlocked(i);
         }

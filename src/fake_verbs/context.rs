@@ -121,6 +121,25 @@ impl DeviceContext {
         })
     }
 
+    /// Like [`DeviceContext::next_event`] without blocking: `None` while none is queued.
+    pub fn try_next_event(&self) -> Result<Option<AsyncEvent>, VerbsError> {
+        self.async_events.try_wait_with(|ev| {
+            if EventElement::of(ev.event_type).is_object() {
+                *self.held().entry(ev.element).or_insert(0) += 1;
+            }
+        })
+    }
+
+    /// Whether the application made the async-event fd non-blocking.
+    pub fn async_events_nonblocking(&self) -> bool {
+        self.async_events.is_nonblocking()
+    }
+
+    /// The fd the application polls for async events.
+    pub fn async_fd(&self) -> i32 {
+        self.async_events.fd()
+    }
+
     /// `ibv_ack_async_event` for an event [`DeviceContext::next_event`] returned.
     pub fn ack_event(&self, event_type: u32, element: usize) {
         if !EventElement::of(event_type).is_object() {

@@ -3,10 +3,11 @@
 //! in a read, exactly as with the kernel's completion-channel and async-event fds.
 
 use super::VerbsError;
-use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::errno::Errno;
+use nix::sys::socket::{MsgFlags, recv};
 use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 
@@ -70,41 +71,39 @@ impl<T> EventQueue<T> {
         }
     }
 
-    /// Like [`EventQueue::wait`], but while blocked also watches `other` and runs `on_ready`
-    /// when it becomes readable (the engine passes the UCX worker's event fd and a progress
-    /// call, so the waiting thread delivers its own completion instead of waiting for the
-    /// progress thread to wake first). A non-blocking application fd behaves as in `wait`.
-    pub fn wait_or(
-        &self,
-        other: BorrowedFd<'_>,
-        mut on_ready: impl FnMut(),
-    ) -> Result<T, VerbsError> {
-        let nonblocking = nix::fcntl::fcntl(self.reader.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL)
+    /// Takes the next event without blocking: `None` while none is queued. The exports that
+    /// block (`ibv_get_cq_event`, …) wait for the fd themselves between such attempts, in a
+    /// `poll()` outside their panic boundary where `pthread_cancel` may end the thread.
+    pub fn try_wait(&self) -> Result<Option<T>, VerbsError> {
+        self.try_wait_with(|_| {})
+    }
+
+    /// Like [`EventQueue::try_wait`], running `on_take` as [`EventQueue::wait_with`] does.
+    pub fn try_wait_with(&self, on_take: impl Fn(&T)) -> Result<Option<T>, VerbsError> {
+        loop {
+            let mut byte = [0u8; 1];
+            match recv(self.reader.as_raw_fd(), &mut byte, MsgFlags::MSG_DONTWAIT) {
+                Ok(1) => {}
+                Ok(_) => return Err(VerbsError::Os(libc::EIO)),
+                Err(Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) => return Ok(None),
+                Err(e) => return Err(VerbsError::Os(e as i32)),
+            }
+            let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(ev) = q.pop_front() {
+                on_take(&ev);
+                return Ok(Some(ev));
+            }
+        }
+    }
+
+    /// Whether the application made the fd non-blocking (then waiting is EAGAIN instead).
+    pub fn is_nonblocking(&self) -> bool {
+        nix::fcntl::fcntl(self.reader.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL)
             .map(|f| {
                 nix::fcntl::OFlag::from_bits_truncate(f).contains(nix::fcntl::OFlag::O_NONBLOCK)
             })
-            .unwrap_or(true);
-        if nonblocking {
-            return self.wait();
-        }
-        loop {
-            let mut fds = [
-                PollFd::new(self.reader.as_fd(), PollFlags::POLLIN),
-                PollFd::new(other, PollFlags::POLLIN),
-            ];
-            match nix::poll::poll(&mut fds, PollTimeout::from(100u16)) {
-                Ok(_) => {}
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => return Err(VerbsError::Os(e as i32)),
-            }
-            let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
-            if ready(&fds[0]) {
-                return self.wait();
-            }
-            if ready(&fds[1]) {
-                on_ready();
-            }
-        }
+            .unwrap_or(true)
     }
 
     /// Drops every queued event matching `pred`, and as many of the fd's bytes, so that the fd

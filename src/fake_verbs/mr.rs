@@ -1,4 +1,9 @@
 //! Memory regions: keys, access flags, and the checks a HCA makes on every SGE.
+//!
+//! A region whose memory was unmapped or replaced after registration (see `ucp::memory`) is
+//! refused by every check from then on, as a HCA refuses an invalidated MR: a remote access
+//! is a remote access error, a local SGE a local protection error. The check is one atomic
+//! load of the region's liveness.
 
 use super::VerbsError;
 use super::pd::ProtectionDomain;
@@ -78,6 +83,12 @@ fn unused_key(map: &DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>, slot: Option
     }
 }
 
+/// Whether registering with `access` needs writable memory: the kernel's `ib_access_writable`
+/// (local or remote write, remote atomics, and memory-window binding, which may grant them).
+pub fn needs_writable(access: u32) -> bool {
+    access & (ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC | ACCESS_MW_BIND) != 0
+}
+
 /// Checks `access` as rdma-core and the kernel do: remote write or atomic needs local write.
 pub fn check_access(access: u32) -> Result<(), VerbsError> {
     if access & !ACCESS_SUPPORTED != 0 {
@@ -94,21 +105,25 @@ pub fn check_access(access: u32) -> Result<(), VerbsError> {
 }
 
 impl MemoryRegion {
+    /// The argument checks of a registration (EINVAL), made before the memory is looked at.
+    pub fn validate(addr: u64, len: u64, iova: u64, access: u32) -> Result<(), VerbsError> {
+        check_access(access)?;
+        if len == 0 {
+            return Err(VerbsError::Invalid("zero-length memory region"));
+        }
+        if addr.checked_add(len).is_none() || iova.checked_add(len).is_none() {
+            return Err(VerbsError::Invalid("memory region wraps the address space"));
+        }
+        Ok(())
+    }
+
     pub fn register(
         pd: &Arc<ProtectionDomain>,
         region: AppRegion,
         iova: u64,
         access: u32,
     ) -> Result<Arc<MemoryRegion>, VerbsError> {
-        check_access(access)?;
-        if region.is_empty() {
-            return Err(VerbsError::Invalid("zero-length memory region"));
-        }
-        if region.addr().checked_add(region.len()).is_none()
-            || iova.checked_add(region.len()).is_none()
-        {
-            return Err(VerbsError::Invalid("memory region wraps the address space"));
-        }
+        Self::validate(region.addr(), region.len(), iova, access)?;
         let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
         let memory = Engine::local_memory().filter(|_| remote);
         let slot = memory.and_then(|m| m.allocate_region_slot());
@@ -176,7 +191,7 @@ pub fn remote_span(
     access: u32,
 ) -> Option<AppSpan> {
     let mr = BY_RKEY.get(&rkey).map(|r| Arc::clone(r.value()))?;
-    if !Arc::ptr_eq(&mr.pd, pd) || mr.access & access != access {
+    if !Arc::ptr_eq(&mr.pd, pd) || mr.access & access != access || !mr.region.is_live() {
         return None;
     }
     let offset = addr.checked_sub(mr.iova)?;
@@ -197,7 +212,7 @@ pub fn local_spans(
             continue;
         }
         let mr = BY_LKEY.get(&sge.lkey).map(|r| Arc::clone(r.value()))?;
-        if !Arc::ptr_eq(&mr.pd, pd) {
+        if !Arc::ptr_eq(&mr.pd, pd) || !mr.region.is_live() {
             return None;
         }
         if need_write && mr.access & ACCESS_LOCAL_WRITE == 0 {

@@ -62,13 +62,12 @@ impl Backing {
         // private anonymous read-write mapping of this process, by a shared mapping of the
         // memfd that now holds their content: the same bytes at the same addresses.
         let mapped = unsafe {
-            libc::mmap(
-                base as *mut libc::c_void,
+            super::raw_mmap(
+                base,
                 size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
                 fd.as_raw_fd(),
-                0,
             )
         };
         if mapped == libc::MAP_FAILED {

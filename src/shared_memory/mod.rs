@@ -46,13 +46,12 @@ impl Mapping {
         }
         // SAFETY: a fresh mapping chosen by the kernel (no MAP_FIXED): it replaces nothing.
         let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
+            raw_mmap(
+                0,
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
-                0,
             )
         };
         if addr == libc::MAP_FAILED {
@@ -71,7 +70,28 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping this value created; nothing borrows it any more
         // (borrows of the table's slots are tied to the owning value's lifetime).
-        unsafe { libc::munmap(self.addr.as_ptr().cast(), self.len) };
+        unsafe { libc::syscall(libc::SYS_munmap, self.addr.as_ptr(), self.len) };
+    }
+}
+
+/// `mmap` as the system call, past the libc wrappers that ugdr (capi/libc_hooks.rs) and UCX
+/// interpose: ugdr's own mappings are not the application's memory changing under an MR.
+///
+/// # Safety
+/// As `mmap(2)`; with `MAP_FIXED`, the caller owns the pages it replaces.
+unsafe fn raw_mmap(
+    addr: u64,
+    len: usize,
+    prot: libc::c_int,
+    flags: libc::c_int,
+    fd: libc::c_int,
+) -> *mut libc::c_void {
+    // SAFETY: the caller's contract; the system call takes plain integers.
+    let r = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, 0i64) };
+    if r < 0 {
+        libc::MAP_FAILED
+    } else {
+        r as *mut libc::c_void
     }
 }
 

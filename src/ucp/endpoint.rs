@@ -1,7 +1,7 @@
 //! `ucp_ep`: a connection to a remote worker, and active-message send.
 
 use super::Error;
-use super::memory::AppSpan;
+use super::memory::{AppSpan, Hold, hold_all};
 use super::worker::{LockedWorker, Worker};
 use crate::sys::{self, ucs};
 use smallvec::SmallVec;
@@ -51,6 +51,8 @@ struct SendRequest {
     header: SmallVec<[u8; 64]>,
     iov: SmallVec<[sys::ucp_dt_iov_t; 4]>,
     _owned: Vec<u8>,
+    /// The payload spans' regions, held until UCX is done with them.
+    _held: SmallVec<[Hold; 4]>,
     done: Option<SendDone>,
 }
 
@@ -140,6 +142,18 @@ impl Endpoint {
         F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
     {
         let _ = locked; // the proof that the worker lock is held
+        // Application spans stay held while UCX may read them; spans whose region died since
+        // they were checked read as zeros (see `memory`).
+        let (payload, held) = match payload {
+            SendPayload::Spans(spans) => match hold_all(&spans) {
+                Some(held) => (SendPayload::Spans(spans), held),
+                None => (
+                    SendPayload::Owned(vec![0; spans.iter().map(AppSpan::len).sum()]),
+                    SmallVec::new(),
+                ),
+            },
+            other => (other, SmallVec::new()),
+        };
         let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match &payload {
             SendPayload::None => SmallVec::new(),
             SendPayload::Spans(spans) => spans
@@ -196,6 +210,7 @@ impl Endpoint {
                 SendPayload::Owned(bytes) => bytes,
                 _ => Vec::new(),
             },
+            _held: held,
             done: Some(Box::new(done)),
         });
         let param = sys::ucp_request_param_t {

@@ -4,28 +4,281 @@
 //! promises it stays valid for reads and writes until it deregisters it, exactly the promise a
 //! real HCA relies on for DMA. Everything below is safe on that promise; the promise itself
 //! enters through the one `unsafe` constructor, [`AppRegion::new`].
+//!
+//! **Invalidation.** A HCA pins the pages it registers, so an application that unmaps (or
+//! remaps) a registered range never sees DMA meant for the old pages land in whatever is
+//! mapped there next, and DMA ignores page protections. ugdr has no pins; instead the libc
+//! calls that take pages away (`munmap`, `mremap`, `mmap(MAP_FIXED)`,
+//! `madvise(MADV_DONTNEED|FREE|REMOVE)`, `shmdt`) or access (`mprotect`: write, for regions
+//! registered for writing; read, for all), interposed in `capi::libc_hooks`, call
+//! [`invalidate_range`] first, which marks every such registered region overlapping the
+//! range dead for good and waits for the accesses in progress on them to end, before the
+//! real call runs. (Dead for good: a HCA would go on working through the old pages, but
+//! ugdr's copies would then fault or reach the new memory, so a refusal is the safe answer.) Every region has a [`Liveness`] cell
+//! (pooled, generation-tagged, so spans cut from an older region never see a newer one as
+//! theirs) that its spans carry:
+//! * the MR checks (`fake_verbs::mr`) refuse a dead region: a remote access is
+//!   REM_ACCESS_ERR, a local one LOC_PROT_ERR — one atomic load on the hot path;
+//! * every access through a span — a copy here, an atomic, and a UCX transfer for as long as
+//!   UCX holds the buffer (`Endpoint::am_send`, `LockedWorker::receive_rendezvous`) — first
+//!   *holds* the cell (a counter the invalidation waits for; a Dekker pair of SeqCst
+//!   operations with the dead mark) and then rechecks that it lives. A span whose region died
+//!   between the MR check and the access behaves as the old pinned pages would for the
+//!   application, which can no longer see them: what is written there is dropped, and what is
+//!   read there reads as zeros (an atomic returns 0 and changes nothing).
+//!
+//! Dropping the region (its MR deregistered and released) retires the cell the same way;
+//! while UCX still holds spans of it, it stays in the registry, dead, so that unmapping its
+//! range still waits for those transfers (as a HCA fences DMA before deregistration ends).
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Whether one registered region is still there, shared by every span cut from it.
+pub struct Liveness {
+    /// `generation * 2 + 1` while the region of this generation lives, `generation * 2` once
+    /// it died (the next region using this cell gets the next generation).
+    state: AtomicU64,
+    /// Accesses in progress on the region (held copies, and UCX transfers in flight).
+    busy: AtomicUsize,
+}
+
+/// A span's (or region's) reference to its cell, at the generation it was cut in.
+#[derive(Clone, Copy)]
+struct Pin {
+    cell: &'static Liveness,
+    live: u64,
+}
+
+/// An access in progress on a live region (or on ugdr's own memory, which needs none); the
+/// region's invalidation waits for it to drop.
+pub struct Hold(Option<&'static Liveness>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(cell) = self.0 {
+            cell.busy.fetch_sub(1, Ordering::Release);
+        }
+    }
+}
+
+impl Pin {
+    fn is_live(&self) -> bool {
+        self.cell.state.load(Ordering::Acquire) == self.live
+    }
+
+    /// Counts an access in, then checks the region still lives (see the module comment).
+    fn hold(&self) -> Option<Hold> {
+        self.cell.busy.fetch_add(1, Ordering::SeqCst);
+        let hold = Hold(Some(self.cell));
+        (self.cell.state.load(Ordering::SeqCst) == self.live).then_some(hold)
+    }
+
+    /// Marks the region dead (no effect on a later generation); whether it lived until now.
+    fn kill(&self) -> bool {
+        self.cell
+            .state
+            .compare_exchange(
+                self.live,
+                self.live & !1,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
+    }
+}
+
+/// One registered region, as [`invalidate_range`] finds it.
+struct Registered {
+    start: u64,
+    end: u64,
+    pin: Pin,
+    /// Registered for writing (local or remote): losing write permission kills it too.
+    writable: bool,
+    /// Its region was dropped (the MR deregistered) while transfers on it were in flight: it
+    /// stays here, dead, so that unmapping the range still waits for them, until they end.
+    retired: bool,
+}
+
+/// Every registered region (and the retired ones still busy), and the cells of the others
+/// that were dropped, for reuse.
+struct Registry {
+    regions: Vec<Registered>,
+    spare: Vec<&'static Liveness>,
+}
+
+impl Registry {
+    /// Gives the cells of retired regions whose transfers ended back to the pool.
+    fn sweep(&mut self) {
+        let mut i = 0;
+        while i < self.regions.len() {
+            let r = &self.regions[i];
+            if r.retired && r.pin.cell.busy.load(Ordering::SeqCst) == 0 {
+                let cell = self.regions.swap_remove(i).pin.cell;
+                self.spare.push(cell);
+            } else {
+                i += 1;
+            }
+        }
+        REGISTERED_COUNT.store(self.regions.len(), Ordering::Release);
+    }
+}
+
+/// [`REGISTERED_COUNT`] lets the interposed libc calls skip the lock while the registry is
+/// empty.
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    regions: Vec::new(),
+    spare: Vec::new(),
+});
+static REGISTERED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Set while this thread holds [`REGISTRY`]: an allocator (or the logger) that unmaps
+    /// through the interposed libc calls meanwhile must not wait for the lock this thread
+    /// holds (nothing it unmaps then is registered).
+    static UPDATING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` on the registry, marked as an update of this thread.
+fn updating<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
+    UPDATING.set(true);
+    let r = f(&mut REGISTRY.lock().unwrap_or_else(|p| p.into_inner()));
+    UPDATING.set(false);
+    r
+}
+
+/// Whether any region is registered now (one atomic load).
+pub fn anything_registered() -> bool {
+    REGISTERED_COUNT.load(Ordering::Acquire) != 0
+}
+
+/// How long an invalidation waits for transfers in flight (UCX completes or fails them; a
+/// stuck peer must not hang the application's `munmap` for ever).
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+/// What happens to a range of memory that invalidates the regions registered in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    /// Its pages go away or are replaced: every region there dies.
+    Pages,
+    /// It stops being writable (`mprotect`): the regions registered for writing die.
+    Write,
+}
+
+/// Marks the registered regions overlapping `[start, start + len)` that `loss` affects dead,
+/// then waits until no access is in progress on any of them (at most [`DRAIN_LIMIT`]). Called
+/// before the memory goes (see the module comment); cheap when nothing is registered.
+pub fn invalidate_range(start: u64, len: u64, loss: Loss) {
+    if len == 0 || !anything_registered() || UPDATING.get() {
+        return;
+    }
+    let end = start.saturating_add(len);
+    let deadline = Instant::now() + DRAIN_LIMIT;
+    loop {
+        // Kill every overlapping region, and note (without allocating) up to 16 with accesses
+        // in progress; wait for those, and look again until none is left.
+        let mut busy: [Option<&'static Liveness>; 16] = [None; 16];
+        updating(|registry| {
+            let mut n = 0;
+            for r in registry
+                .regions
+                .iter()
+                .filter(|r| r.start < end && start < r.end)
+                .filter(|r| loss == Loss::Pages || r.writable)
+            {
+                if r.pin.kill() {
+                    tracing::debug!(
+                        "registered memory {:#x}+{:#x} invalidated: unmapped or replaced",
+                        r.start,
+                        r.end - r.start
+                    );
+                }
+                if r.pin.cell.busy.load(Ordering::SeqCst) != 0 && n < busy.len() {
+                    busy[n] = Some(r.pin.cell);
+                    n += 1;
+                }
+            }
+            registry.sweep();
+        });
+        if busy[0].is_none() {
+            return;
+        }
+        for cell in busy.iter().flatten() {
+            if !drain(cell, deadline) {
+                return;
+            }
+        }
+    }
+}
+
+/// Waits until no access is in progress on `cell`; false once `deadline` passed.
+fn drain(cell: &Liveness, deadline: Instant) -> bool {
+    while cell.busy.load(Ordering::SeqCst) != 0 {
+        if Instant::now() >= deadline {
+            tracing::warn!("registered memory is unmapped while a transfer on it is in flight");
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    true
+}
 
 /// Memory the application registered: `len` bytes at `addr`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct AppRegion {
     addr: u64,
     len: u64,
+    pin: Pin,
+}
+
+impl std::fmt::Debug for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", if self.is_live() { "live" } else { "dead" })
+    }
 }
 
 /// A checked piece of an [`AppRegion`] (or of ugdr's own staging memory).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct AppSpan {
     addr: u64,
     len: usize,
+    /// The region's cell; `None` for ugdr's own memory, which never goes away under it.
+    pin: Option<Pin>,
 }
 
 impl AppRegion {
     /// # Safety
     /// `[addr, addr + len)` must stay valid for reads and writes by any thread for as long as
     /// any [`AppSpan`] cut from this region is used (the `ibv_reg_mr` contract: until the MR is
-    /// deregistered and no operation on it is outstanding).
-    pub unsafe fn new(addr: u64, len: u64) -> AppRegion {
-        AppRegion { addr, len }
+    /// deregistered and no operation on it is outstanding), or until [`invalidate_range`]
+    /// covering it returns, which the libc calls that take memory away call first.
+    pub unsafe fn new(addr: u64, len: u64, writable: bool) -> AppRegion {
+        let pin = updating(|registry| {
+            let pin = match registry.spare.pop() {
+                Some(cell) => Pin {
+                    cell,
+                    live: cell.state.fetch_add(1, Ordering::SeqCst) + 1,
+                },
+                None => Pin {
+                    cell: Box::leak(Box::new(Liveness {
+                        state: AtomicU64::new(1),
+                        busy: AtomicUsize::new(0),
+                    })),
+                    live: 1,
+                },
+            };
+            registry.regions.push(Registered {
+                start: addr,
+                end: addr.saturating_add(len),
+                pin,
+                writable,
+                retired: false,
+            });
+            registry.sweep();
+            pin
+        });
+        AppRegion { addr, len, pin }
     }
 
     pub fn addr(&self) -> u64 {
@@ -40,6 +293,11 @@ impl AppRegion {
         self.len == 0
     }
 
+    /// False once the memory was unmapped or replaced (or the region dropped).
+    pub fn is_live(&self) -> bool {
+        self.pin.is_live()
+    }
+
     /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe).
     pub fn span(&self, addr: u64, len: u64) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;
@@ -50,7 +308,29 @@ impl AppRegion {
         Some(AppSpan {
             addr,
             len: usize::try_from(len).ok()?,
+            pin: Some(self.pin),
         })
+    }
+}
+
+impl Drop for AppRegion {
+    fn drop(&mut self) {
+        // Retire this generation: spans still around see it dead from now on.
+        self.pin
+            .cell
+            .state
+            .store((self.pin.live | 1) + 1, Ordering::SeqCst);
+        let cell = self.pin.cell;
+        updating(|registry| {
+            if let Some(r) = registry
+                .regions
+                .iter_mut()
+                .find(|r| std::ptr::eq(r.pin.cell, cell))
+            {
+                r.retired = true;
+            }
+            registry.sweep();
+        });
     }
 }
 
@@ -61,6 +341,7 @@ impl AppSpan {
         AppSpan {
             addr: bytes.as_ptr() as u64,
             len: bytes.len(),
+            pin: None,
         }
     }
 
@@ -83,10 +364,12 @@ impl AppSpan {
             AppSpan {
                 addr: self.addr,
                 len: n,
+                pin: self.pin,
             },
             AppSpan {
                 addr: self.addr + n as u64,
                 len: self.len - n,
+                pin: self.pin,
             },
         )
     }
@@ -97,41 +380,61 @@ impl AppSpan {
 }
 
 impl AppSpan {
-    fn as_atomic(&self) -> Option<&std::sync::atomic::AtomicU64> {
+    /// Holds the span's region for an access; `None` once the region died (see the module
+    /// comment). Keep the hold until the access (or UCX's use of the buffer) is over.
+    pub fn hold(&self) -> Option<Hold> {
+        match &self.pin {
+            Some(pin) => pin.hold(),
+            None => Some(Hold(None)),
+        }
+    }
+
+    /// # Safety
+    /// Only while a [`Hold`] of this span is alive.
+    unsafe fn as_atomic(&self) -> Option<&std::sync::atomic::AtomicU64> {
         if self.len != 8 || self.addr % 8 != 0 {
             return None;
         }
-        // SAFETY: 8 registered bytes (AppRegion's contract), 8-byte aligned (checked), so a
-        // valid AtomicU64 location; other writers may race, which is what atomics are for.
+        // SAFETY: 8 registered bytes (AppRegion's contract), held, 8-byte aligned (checked),
+        // so a valid AtomicU64 location; other writers may race, which is what atomics are for.
         Some(unsafe { &*(self.as_ptr() as *const std::sync::atomic::AtomicU64) })
     }
 
     /// Atomically adds `add` to the 8 bytes (host byte order, as verbs atomics); the old value.
-    /// None unless the span is 8 aligned bytes.
+    /// None unless the span is 8 aligned bytes; 0 (and nothing changed) if its region died.
     pub fn fetch_add(&self, add: u64) -> Option<u64> {
-        Some(
-            self.as_atomic()?
-                .fetch_add(add, std::sync::atomic::Ordering::SeqCst),
-        )
+        self.atomically(|a| a.fetch_add(add, Ordering::SeqCst))
     }
 
-    /// Atomically replaces the 8 bytes by `swap` if they equal `compare`; the old value.
+    /// Atomically replaces the 8 bytes by `swap` if they equal `compare`; the old value
+    /// (0, and nothing changed, if its region died).
     pub fn compare_swap(&self, compare: u64, swap: u64) -> Option<u64> {
-        let a = self.as_atomic()?;
-        Some(
-            match a.compare_exchange(
-                compare,
-                swap,
-                std::sync::atomic::Ordering::SeqCst,
-                std::sync::atomic::Ordering::SeqCst,
-            ) {
+        self.atomically(|a| {
+            match a.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
                 Ok(v) | Err(v) => v,
-            },
-        )
+            }
+        })
+    }
+
+    fn atomically(&self, op: impl FnOnce(&std::sync::atomic::AtomicU64) -> u64) -> Option<u64> {
+        if self.len != 8 || self.addr % 8 != 0 {
+            return None;
+        }
+        let Some(_held) = self.hold() else {
+            return Some(0);
+        };
+        // SAFETY: held just above.
+        Some(op(unsafe { self.as_atomic() }?))
     }
 }
 
-/// Copies `src` into `spans`, in order; returns the bytes written (≤ the spans' total).
+/// Holds every span (see [`AppSpan::hold`]); `None` if any of their regions died.
+pub fn hold_all(spans: &[AppSpan]) -> Option<smallvec::SmallVec<[Hold; 4]>> {
+    spans.iter().map(AppSpan::hold).collect()
+}
+
+/// Copies `src` into `spans`, in order; returns the bytes written (≤ the spans' total). The
+/// bytes meant for a span whose region died are dropped.
 pub fn scatter(spans: &[AppSpan], src: &[u8]) -> usize {
     let mut off = 0;
     for s in spans {
@@ -139,23 +442,111 @@ pub fn scatter(spans: &[AppSpan], src: &[u8]) -> usize {
             break;
         }
         let n = s.len.min(src.len() - off);
-        // SAFETY: `s` lies in a registered region (AppRegion::new's contract) or in memory
-        // its creator keeps alive; `src` is a Rust slice; the two cannot overlap because UCX's
-        // receive buffers and ugdr's own buffers are never registered by the application.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(off), s.as_ptr(), n) };
+        if let Some(_held) = s.hold() {
+            // SAFETY: `s` lies in a registered region (AppRegion::new's contract), held alive
+            // for the copy, or in memory its creator keeps alive; `src` is a Rust slice; the
+            // two cannot overlap because UCX's receive buffers and ugdr's own buffers are never
+            // registered by the application.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(off), s.as_ptr(), n) };
+        }
         off += n;
     }
     off
 }
 
-/// Copies the bytes of `spans`, in order, into a new vector (inline sends, staging).
+/// Copies the bytes of `spans`, in order, into a new vector (inline sends, staging); a span
+/// whose region died reads as zeros.
 pub fn gather(spans: &[AppSpan]) -> Vec<u8> {
     let total = spans.iter().map(|s| s.len).sum();
     let mut out = Vec::with_capacity(total);
     for s in spans {
-        // SAFETY: as in `scatter`; the span is readable for `len` bytes.
-        let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, s.len) };
-        out.extend_from_slice(bytes);
+        match s.hold() {
+            Some(_held) => {
+                // SAFETY: as in `scatter`; the span is readable for `len` bytes.
+                let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, s.len) };
+                out.extend_from_slice(bytes);
+            }
+            None => out.resize(out.len() + s.len, 0),
+        }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalidation_kills_overlapping_regions_only_and_dead_spans_drop_writes_and_read_zeros() {
+        let mut a = vec![7u8; 64];
+        let mut b = vec![7u8; 64];
+        // SAFETY: both vectors outlive their regions (dropped at the end of the test).
+        let (ra, rb) = unsafe {
+            (
+                AppRegion::new(a.as_mut_ptr() as u64, 64, true),
+                AppRegion::new(b.as_mut_ptr() as u64, 64, false),
+            )
+        };
+        let sa = ra.span(ra.addr() + 8, 8).unwrap();
+        let sb = rb.span(rb.addr(), 8).unwrap();
+        invalidate_range(ra.addr() + 60, 100, Loss::Pages); // overlaps a's last 4 bytes only
+        assert!(!ra.is_live() && rb.is_live());
+        assert_eq!(scatter(&[sa, sb], &[1u8; 16]), 16);
+        assert_eq!(gather(&[sa, sb]), [[0u8; 8], [1u8; 8]].concat());
+        assert_eq!(
+            sa.fetch_add(5),
+            Some(0),
+            "a dead span's atomic changes nothing"
+        );
+        drop((ra, rb));
+        assert_eq!(a, vec![7u8; 64], "nothing was written into the dead region");
+        assert_eq!(&b[..8], &[1u8; 8]);
+    }
+
+    #[test]
+    fn unmapping_waits_for_a_transfer_in_flight_even_after_the_region_was_dropped() {
+        let mut buf = vec![0u8; 4096];
+        let addr = buf.as_mut_ptr() as u64;
+        // SAFETY: `buf` outlives the region.
+        let region = unsafe { AppRegion::new(addr, 4096, true) };
+        let held = region.span(addr, 64).unwrap().hold().expect("live");
+        drop(region); // deregistered while "UCX" still holds the span
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(held);
+        });
+        let t = Instant::now();
+        invalidate_range(addr, 4096, Loss::Pages);
+        assert!(
+            t.elapsed() >= Duration::from_millis(150),
+            "returned after {:?}, before the transfer ended",
+            t.elapsed()
+        );
+        release.join().unwrap();
+        drop(buf);
+    }
+
+    #[test]
+    fn a_reused_cell_never_revives_the_spans_of_its_earlier_region() {
+        let mut buf = vec![0u8; 16];
+        // SAFETY: `buf` outlives both regions.
+        let first = unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16, true) };
+        let stale = first.span(first.addr(), 8).unwrap();
+        drop(first);
+        assert!(
+            stale.hold().is_none(),
+            "dropping the region retires its spans"
+        );
+        // Later registrations may take the same cell (the pool is shared with other tests,
+        // so register a few): none of them makes the stale span live again.
+        // SAFETY: as above.
+        let later: Vec<AppRegion> = (0..4)
+            .map(|_| unsafe { AppRegion::new(buf.as_mut_ptr() as u64, 16, true) })
+            .collect();
+        assert!(later.iter().all(AppRegion::is_live));
+        assert!(stale.hold().is_none());
+        assert_eq!(scatter(&[stale], &[9u8; 8]), 8);
+        drop(later);
+        assert_eq!(buf, vec![0u8; 16]);
+    }
 }

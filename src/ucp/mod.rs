@@ -8,7 +8,8 @@
 //!
 //! Application memory reaches UCX only as [`AppSpan`]s cut from an [`AppRegion`], whose
 //! (unsafe) constructor is where the application's promise "this memory is valid while it is
-//! registered" enters the Rust side (`ibv_reg_mr`).
+//! registered" enters the Rust side (`ibv_reg_mr`); while UCX reads or writes a span, the
+//! request holds its region (see `memory`), so unmapping it waits for the transfer.
 
 mod endpoint;
 mod library;
@@ -18,6 +19,9 @@ mod worker;
 
 pub use endpoint::{Endpoint, SendDone, SendPayload, SendState};
 pub use library::{Ucx, ucx_version};
-pub use memory::{AppRegion, AppSpan, gather, scatter};
+pub use memory::{
+    AppRegion, AppSpan, Hold, Loss, anything_registered, gather, hold_all, invalidate_range,
+    scatter,
+};
 pub use status::Error;
 pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};

@@ -2,8 +2,9 @@
 
 use super::Error;
 use super::library::Ucx;
-use super::memory::AppSpan;
+use super::memory::{AppSpan, Hold, hold_all};
 use crate::sys::{self, ucs};
+use smallvec::SmallVec;
 use std::ffi::c_void;
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
@@ -323,6 +324,10 @@ type ReceiveDone = Box<dyn FnOnce(&LockedWorker<'_>, Result<usize, Error>) + Sen
 struct ReceiveRequest {
     worker: *const Worker,
     iov: Vec<sys::ucp_dt_iov_t>,
+    /// The destination spans' regions, held until UCX is done writing.
+    _held: SmallVec<[Hold; 4]>,
+    /// Where the data goes (and is dropped) when a destination region died meanwhile.
+    _discard: Vec<u8>,
     done: ReceiveDone,
 }
 
@@ -409,17 +414,31 @@ impl<'w> LockedWorker<'w> {
         dest: &[AppSpan],
         done: ReceiveDone,
     ) -> Result<bool, Error> {
-        let iov: Vec<sys::ucp_dt_iov_t> = dest
-            .iter()
-            .filter(|s| !s.is_empty())
-            .map(|s| sys::ucp_dt_iov_t {
-                buffer: s.as_ptr() as *mut c_void,
-                length: s.len(),
-            })
-            .collect();
+        // The destinations stay held while UCX writes them; if one's region died since it was
+        // checked, the message is received into a buffer of ours and dropped (see `memory`).
+        let (held, mut discard, dead) = match hold_all(dest) {
+            Some(held) => (held, Vec::new(), false),
+            None => (SmallVec::new(), vec![0u8; data.len], true),
+        };
+        let iov: Vec<sys::ucp_dt_iov_t> = if dead {
+            vec![sys::ucp_dt_iov_t {
+                buffer: discard.as_mut_ptr() as *mut c_void,
+                length: discard.len(),
+            }]
+        } else {
+            dest.iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| sys::ucp_dt_iov_t {
+                    buffer: s.as_ptr() as *mut c_void,
+                    length: s.len(),
+                })
+                .collect()
+        };
         let mut req = Box::new(ReceiveRequest {
             worker: self.worker,
             iov,
+            _held: held,
+            _discard: discard,
             done,
         });
         let param = sys::ucp_request_param_t {

@@ -3,17 +3,21 @@
 //! mappings (`/proc/self/maps`). Every byte must lie in a readable mapping, and in a writable
 //! one when the access flags let ugdr write there, else the registration fails with EFAULT, as
 //! the kernel's pinning fails for `ibv_reg_mr` on hardware. A GPU device pointer is refused
-//! before this check (EOPNOTSUPP, see `crate::cuda`).
+//! before this check (EOPNOTSUPP, see `crate::cuda`). `ibv_reg_mr*` makes the same check (via
+//! `capi::ibv_pd_mr::register_host`), and `shmdt` asks here how long the segment it detaches
+//! is.
 
 use crate::fake_verbs::VerbsError;
 
-/// One line of `/proc/self/maps`: `[start, end)` and its read/write permissions.
+/// One line of `/proc/self/maps`: `[start, end)`, its read/write permissions, and the inode
+/// of what it maps (0 for anonymous memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mapping {
     pub start: u64,
     pub end: u64,
     pub read: bool,
     pub write: bool,
+    pub inode: u64,
 }
 
 /// Parses `/proc/<pid>/maps` text (lines `start-end perms offset dev inode [path]`), in order.
@@ -23,11 +27,13 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
             let mut fields = line.split_ascii_whitespace();
             let (start, end) = fields.next()?.split_once('-')?;
             let perms = fields.next()?.as_bytes();
+            let inode = fields.nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
             Some(Mapping {
                 start: u64::from_str_radix(start, 16).ok()?,
                 end: u64::from_str_radix(end, 16).ok()?,
                 read: perms.first() == Some(&b'r'),
                 write: perms.get(1) == Some(&b'w'),
+                inode,
             })
         })
         .collect()
@@ -65,6 +71,26 @@ pub fn check_range(maps: &[Mapping], addr: u64, len: u64, write: bool) -> Result
     Ok(())
 }
 
+/// The length of the run of mappings of one file (a SysV shared-memory segment, for `shmdt`)
+/// that starts at `addr`; `None` if no mapping starts there.
+pub fn extent_at(maps: &[Mapping], addr: u64) -> Option<u64> {
+    let first = maps.iter().position(|m| m.start == addr)?;
+    let mut end = maps[first].end;
+    for m in &maps[first + 1..] {
+        if m.start != end || m.inode != maps[first].inode {
+            break;
+        }
+        end = m.end;
+    }
+    Some(end - addr)
+}
+
+/// [`extent_at`] in this process's mappings now.
+pub fn attached_extent(addr: u64) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/maps").ok()?;
+    extent_at(&parse_maps(&text), addr)
+}
+
 /// Checks the range against this process's mappings now.
 pub fn check(addr: u64, len: u64, write: bool) -> Result<(), VerbsError> {
     let text = std::fs::read_to_string("/proc/self/maps")?;
@@ -93,10 +119,26 @@ mod tests {
                 start: 0x600000,
                 end: 0x602000,
                 read: true,
-                write: true
+                write: true,
+                inode: 0
             }
         );
         assert!(!m[3].read);
+        assert_eq!(m[0].inode, 1);
+    }
+
+    #[test]
+    fn extent_of_a_segment_spans_its_split_mappings() {
+        let m = parse_maps(
+            "\
+7f0000000000-7f0000001000 rw-s 00000000 00:01 42 /SYSV00000000 (deleted)
+7f0000001000-7f0000003000 r--s 00001000 00:01 42 /SYSV00000000 (deleted)
+7f0000003000-7f0000004000 rw-s 00000000 00:01 43 /SYSV00000001 (deleted)
+",
+        );
+        assert_eq!(extent_at(&m, 0x7f00_0000_0000), Some(0x3000));
+        assert_eq!(extent_at(&m, 0x7f00_0000_3000), Some(0x1000));
+        assert_eq!(extent_at(&m, 0x7f00_0000_0800), None);
     }
 
     #[test]

@@ -30,11 +30,6 @@ pub fn check_access(access: i32) -> Result<u32, VerbsError> {
     Ok(bits)
 }
 
-/// Whether memory registered with `access` must be writable by ugdr.
-pub fn access_writes(access: u32) -> bool {
-    access & (ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE) != 0
-}
-
 /// `enum ugdr_send_flags`.
 pub const SEND_SIGNALED: u32 = 1;
 pub const SEND_INLINE: u32 = 1 << 1;
@@ -88,7 +83,6 @@ mod tests {
             check_access(2).is_err(),
             "remote write needs local write (as verbs)"
         );
-        assert!(access_writes(1) && !access_writes(4));
     }
 
     #[test]

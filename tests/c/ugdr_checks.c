@@ -1,7 +1,8 @@
 /*
  * Checks of the ugdr_* API from C, one scenario per argument (tests/ugdr_api.rs runs each):
  *   devices   prints the device list ("name numa_node gpu,gpu,..." per line)
- *   errors    every error path: NULL and bad arguments, EBUSY, EFAULT, bad_wr
+ *   errors    every error path: NULL and bad arguments, EBUSY, EFAULT, bad_wr, SGE counts
+ *             far above the limit (refused before the list is read)
  *   states    the QP state machine (all or nothing) and flush on ERR
  *   loopback  two QPs of this process: SEND with several SGEs, RDMA WRITE/READ, and the
  *             error completions (REM_ACCESS_ERR, LOC_LEN_ERR, LOC_PROT_ERR)
@@ -34,36 +35,7 @@ _Static_assert(sizeof(struct ugdr_recv_wr) == 32, "ugdr_recv_wr");
 _Static_assert(sizeof(struct ugdr_send_wr) == 56 && offsetof(struct ugdr_send_wr, rdma) == 40,
 	       "ugdr_send_wr");
 
-static int checks;
-static const char *scenario = "?";
-
-#define CHECK(cond, ...)                                                                   \
-	do {                                                                               \
-		checks++;                                                                  \
-		if (!(cond)) {                                                             \
-			fprintf(stderr, "%s: line %d: check failed: %s: ", scenario, __LINE__, \
-				#cond);                                                    \
-			fprintf(stderr, __VA_ARGS__);                                      \
-			fprintf(stderr, " (errno %d %s)\n", errno, strerror(errno));       \
-			exit(1);                                                           \
-		}                                                                          \
-	} while (0)
-
-/* An int call that must fail with `e`, both as its return value and in errno. */
-#define FAILS_WITH(call, e)                                                                \
-	do {                                                                               \
-		errno = 0;                                                                 \
-		int rc_ = (call);                                                          \
-		CHECK(rc_ == (e) && errno == (e), "%s returned %d, expected %d", #call, rc_, (e)); \
-	} while (0)
-
-/* A pointer call that must return NULL with errno `e`. */
-#define NULL_WITH(call, e)                                                                 \
-	do {                                                                               \
-		errno = 0;                                                                 \
-		void *p_ = (void *)(call);                                                 \
-		CHECK(p_ == NULL && errno == (e), "%s gave %p, expected NULL/%d", #call, p_, (e)); \
-	} while (0)
+#include "checks.h"
 
 struct res {
 	struct ugdr_context *ctx;
@@ -318,6 +290,21 @@ static void errors(void)
 	rbad = NULL;
 	FAILS_WITH(ugdr_post_recv(qp, &r2, &rbad), EINVAL);
 	CHECK(rbad == &r3, "recv bad_wr is the WR over max_sge");
+	/* A count far above max_sge with one SGE in front of an unmapped page: refused before
+	 * anything past the limit is read. */
+	uint8_t *guarded = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	CHECK(guarded != MAP_FAILED && mprotect(guarded + page, page, PROT_NONE) == 0, "guard page");
+	struct ugdr_sge *last = (struct ugdr_sge *)(guarded + page) - 1;
+	*last = sge;
+	struct ugdr_recv_wr rhuge = {.wr_id = 5, .sg_list = last, .num_sge = 1 << 20};
+	rbad = NULL;
+	FAILS_WITH(ugdr_post_recv(qp, &rhuge, &rbad), EINVAL);
+	CHECK(rbad == &rhuge, "recv bad_wr with a huge num_sge");
+	struct ugdr_send_wr shuge = {.wr_id = 15, .sg_list = last, .num_sge = 1 << 20,
+				     .opcode = UGDR_WR_SEND, .send_flags = UGDR_SEND_INLINE};
+	bad = NULL;
+	FAILS_WITH(ugdr_post_send(qp, &shuge, &bad), EINVAL);
+	CHECK(bad == &shuge, "send bad_wr with a huge num_sge");
 	struct ugdr_recv_wr rneg = {.wr_id = 4, .sg_list = &sge, .num_sge = -1};
 	FAILS_WITH(ugdr_post_recv(qp, &rneg, &rbad), EINVAL);
 	struct ugdr_send_wr s_bad_op = {.wr_id = 12, .sg_list = &sge, .num_sge = 1, .opcode = 7};

@@ -6,7 +6,7 @@
 use super::id::{IdShell, fill_path, new_id_shell, our_id, refresh};
 use super::qp::{VerbsQp, dyn_qp};
 use super::{cm_boundary, cm_status, device::cm_device, fail};
-use crate::capi::boundary::{ffi_boundary, set_errno};
+use crate::capi::boundary::{Attempt, blocking, ffi_boundary, set_errno};
 use crate::capi::ibv_qp::av_to;
 use crate::cm::{CmEvent, CmId, EventChannel, EventKind, sync_call_result};
 use crate::sys::*;
@@ -115,6 +115,16 @@ pub(super) fn next_event(channel: &ChannelShell) -> Result<Delivered, c_int> {
             return Ok(delivered);
         }
     }
+}
+
+/// Like `next_event`, without blocking: `None` while no event is queued.
+fn try_next_event(channel: &ChannelShell) -> Result<Option<Delivered>, c_int> {
+    while let Some(event) = channel.inner.try_next().map_err(|e| e.errno())? {
+        if let Some(delivered) = convert_event(event) {
+            return Ok(Some(delivered));
+        }
+    }
+    Ok(None)
 }
 
 /// Builds the `rdma_cm_event` for `event`, doing what librdmacm does on the way: a new id for
@@ -279,39 +289,56 @@ pub unsafe extern "C" fn rdma_destroy_event_channel(channel: *mut rdma_event_cha
     })
 }
 
+/// Blocks until the next event (EAGAIN on a non-blocking channel). The wait is a cancellation
+/// point, as librdmacm's `read()` (see `boundary`); while it waits, the thread keeps the
+/// channel open, as the kernel keeps a file open under a blocked read.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rdma_get_cm_event(
+pub unsafe extern "C-unwind" fn rdma_get_cm_event(
     channel: *mut rdma_event_channel,
     event: *mut *mut rdma_cm_event,
 ) -> c_int {
-    cm_boundary!("rdma_get_cm_event", {
-        let Some(ch) = our_channel(channel) else {
-            let retired = RETIRED_CHANNELS
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains(&(channel as usize));
-            if retired {
-                // A thread that comes back for the next event just after another destroyed
-                // the channel (rping 44's CM thread does at exit). With the kernel that call
-                // was usually in flight already and stays blocked until the process exits;
-                // here it waits a while for that exit, then fails as a closed fd does.
-                std::thread::sleep(RETIRED_GRACE);
-                return fail(libc::EBADF);
+    let mut waiting_on: Option<Arc<EventChannel>> = None;
+    blocking(
+        "rdma_get_cm_event",
+        || fail(libc::EIO),
+        |_| {
+            let Some(ch) = our_channel(channel) else {
+                let retired = RETIRED_CHANNELS
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains(&(channel as usize));
+                if retired {
+                    // A thread that comes back for the next event just after another destroyed
+                    // the channel (rping 44's CM thread does at exit). With the kernel that call
+                    // was usually in flight already and stays blocked until the process exits;
+                    // here it waits a while for that exit, then fails as a closed fd does.
+                    std::thread::sleep(RETIRED_GRACE);
+                    return Attempt::Done(fail(libc::EBADF));
+                }
+                return Attempt::Done(fail(libc::EINVAL));
+            };
+            if event.is_null() {
+                return Attempt::Done(fail(libc::EINVAL));
             }
-            return fail(libc::EINVAL);
-        };
-        if event.is_null() {
-            return fail(libc::EINVAL);
-        }
-        match next_event(ch) {
-            Ok(delivered) => {
-                // SAFETY: checked non-NULL; the caller's out-pointer.
-                unsafe { *event = delivered.event };
-                0
+            match try_next_event(ch) {
+                Ok(Some(delivered)) => {
+                    // SAFETY: checked non-NULL; the caller's out-pointer.
+                    unsafe { *event = delivered.event };
+                    Attempt::Done(0)
+                }
+                Ok(None) if ch.inner.is_nonblocking() => Attempt::Done(fail(libc::EAGAIN)),
+                Ok(None) => {
+                    waiting_on = Some(Arc::clone(&ch.inner));
+                    Attempt::Wait {
+                        fds: [ch.inner.fd(), -1],
+                        count: 1,
+                        timeout_ms: -1,
+                    }
+                }
+                Err(errno) => Attempt::Done(fail(errno)),
             }
-            Err(errno) => fail(errno),
-        }
-    })
+        },
+    )
 }
 
 #[unsafe(no_mangle)]
