@@ -316,7 +316,7 @@ mod tests {
 
     fn span(addr: u64, len: u64) -> AppSpan {
         // SAFETY: test memory that stays mapped (leaked) for the test's duration.
-        unsafe { AppRegion::new(addr, len) }
+        unsafe { AppRegion::new(addr, len, true) }
             .span(addr, len)
             .unwrap()
     }
