@@ -98,7 +98,7 @@ impl AppSpan {
 
 impl AppSpan {
     fn as_atomic(&self) -> Option<&std::sync::atomic::AtomicU64> {
-        if self.len != 8 || self.addr % 8 != 0 {
+        if self.len != 8 || !self.addr.is_multiple_of(8) {
             return None;
         }
         // SAFETY: 8 registered bytes (AppRegion's contract), 8-byte aligned (checked), so a
