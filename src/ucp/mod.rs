@@ -17,7 +17,7 @@ mod status;
 mod worker;
 
 pub use endpoint::{Endpoint, SendDone, SendPayload, SendState};
-pub use library::{Ucx, ucx_version};
+pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{AppRegion, AppSpan, gather, scatter};
 pub use status::Error;
 pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};
