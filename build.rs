@@ -15,6 +15,7 @@ const UCX_FUNCTIONS: &[&str] = &[
     "ucp_cleanup",
     "ucp_config_read",
     "ucp_config_release",
+    "ucp_config_modify",
     "ucp_context_query",
     "ucp_get_version_string",
     "ucp_worker_create",

@@ -57,9 +57,12 @@ pub fn describe(engine: &Engine) -> String {
         "ucx:           {}",
         crate::ucp::ucx_version().unwrap_or_default()
     );
+    if let Ok(ucx) = crate::ucp::Ucx::get() {
+        out.push_str(&describe_ucx(ucx));
+    }
     let _ = writeln!(
         out,
-        "ucx transports offered to peers (UCX picks among them per peer; shared memory and cma on one host, tcp across hosts):"
+        "ucx transports offered to peers (UCX picks among them per peer; shared memory and cma on one host, tcp across hosts, RDMA devices where UCX found them):"
     );
     for line in engine
         .transports()
@@ -73,5 +76,61 @@ pub fn describe(engine: &Engine) -> String {
             let _ = writeln!(out, "  {line}");
         }
     }
+    out
+}
+
+/// Where ugdr's UCX lives and whether its RDMA modules are loaded (with the devices the real
+/// libibverbs they use lists).
+fn describe_ucx(ucx: &crate::ucp::Ucx) -> String {
+    use crate::ucp::{Namespace, Rdma};
+    let mut out = String::new();
+    let _ = match ucx.namespace() {
+        Namespace::Own(lmid) => writeln!(
+            out,
+            "ucx namespace: own (link-map namespace {lmid}, dlmopen): UCX's modules use the real libibverbs and librdmacm loaded there"
+        ),
+        Namespace::Shared(reason) => writeln!(
+            out,
+            "ucx namespace: the application's (dlmopen failed: {reason}); UCX's modules reach the real libraries by caller"
+        ),
+    };
+    let files: Vec<String> = ucx
+        .namespace_objects()
+        .iter()
+        .map(|p| p.rsplit('/').next().unwrap_or(p).to_string())
+        .filter(|f| {
+            ["libuct_ib", "libuct_rdmacm", "libibverbs", "librdmacm"]
+                .iter()
+                .any(|m| f.starts_with(m))
+        })
+        .collect();
+    let ib_loaded = files.iter().any(|f| f.starts_with("libuct_ib"));
+    let _ = match ucx.rdma() {
+        Rdma::Off if !ib_loaded => writeln!(
+            out,
+            "ucx rdma:      off (UGDR_UCX_RDMA=off): UCX's ib and rdmacm modules not loaded"
+        ),
+        Rdma::Off => writeln!(
+            out,
+            "ucx rdma:      off (UGDR_UCX_RDMA=off), yet loaded: {}",
+            files.join(" ")
+        ),
+        Rdma::Auto if !ib_loaded => writeln!(
+            out,
+            "ucx rdma:      auto: UCX did not load its ib module (UCX_MODULES?)"
+        ),
+        Rdma::Auto => {
+            let devices = match ucx.rdma_devices() {
+                Some(d) if d.is_empty() => "none".to_string(),
+                Some(d) => d.join(" "),
+                None => "unknown (libibverbs not loaded)".to_string(),
+            };
+            writeln!(
+                out,
+                "ucx rdma:      auto: UCX's ib and rdmacm modules loaded ({}); RDMA devices the real libibverbs lists: {devices}",
+                files.join(" ")
+            )
+        }
+    };
     out
 }

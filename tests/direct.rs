@@ -271,10 +271,9 @@ fn wait_stopped(pid: u32) {
             .rsplit(')')
             .next()
             .and_then(|r| r.split_whitespace().next())
+            && (state == "T" || state == "t")
         {
-            if state == "T" || state == "t" {
-                return;
-            }
+            return;
         }
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -984,18 +984,78 @@ fn verbs_not_carried_yet_fail_cleanly_on_ugdr_objects_and_null_is_einval() {
     }
 }
 
+/// ugdr's UCX lives in a link-map namespace of its own (dlmopen), with its InfiniBand and
+/// rdmacm modules (UGDR_UCX_RDMA=auto) bound to the real libibverbs and librdmacm loaded there:
+/// none of them is in the application's namespace, where ugdr's exports would interpose them.
 #[test]
-fn ucx_runs_without_its_infiniband_modules() {
+fn ucx_runs_in_its_own_namespace_with_its_infiniband_modules() {
     let _dev = Device::open(); // starts UCX
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    assert!(
-        maps.contains("libucp.so"),
-        "UCX should be loaded once a device is open"
-    );
-    for module in ["libuct_ib", "libuct_rdmacm", "librdmacm", "libibverbs"] {
+    let ucx = ugdr::ucp::Ucx::get().expect("UCX loaded");
+    let ugdr::ucp::Namespace::Own(lmid) = ucx.namespace().clone() else {
+        panic!(
+            "UCX shares the application's namespace: {:?}",
+            ucx.namespace()
+        );
+    };
+    assert!(lmid > 0, "namespace {lmid}");
+    let theirs = ucx.namespace_objects();
+    for module in [
+        "libucp.so",
+        "libuct_ib.so",
+        "libuct_rdmacm.so",
+        "libibverbs.so",
+        "librdmacm.so",
+        "libc.so",
+    ] {
         assert!(
-            !maps.contains(module),
-            "{module} was loaded: UCX's own verbs would bind to ugdr"
+            theirs.iter().any(|f| f.contains(module)),
+            "{module} not in UCX's namespace: {theirs:?}"
         );
     }
+    assert!(
+        !theirs
+            .iter()
+            .any(|f| f.contains("libugdr") || f.contains("verbs_calls")),
+        "ugdr is not in UCX's namespace: {theirs:?}"
+    );
+    let ours = objects_of_this_namespace();
+    for module in ["libucp.so", "libuct_ib.so", "libuct_rdmacm.so"] {
+        assert!(
+            !ours.iter().any(|f| f.contains(module)),
+            "{module} in the application's namespace: {ours:?}"
+        );
+    }
+    assert_eq!(
+        ucx.rdma_devices(),
+        Some(Vec::new()),
+        "no RDMA hardware here"
+    );
+}
+
+/// The files of the objects loaded in this (the application's) namespace.
+fn objects_of_this_namespace() -> Vec<String> {
+    unsafe extern "C" fn collect(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        out: *mut libc::c_void,
+    ) -> libc::c_int {
+        // SAFETY: dl_iterate_phdr's info, and the Vec passed below.
+        unsafe {
+            let name = (*info).dlpi_name;
+            if !name.is_null() {
+                let out = &mut *(out as *mut Vec<String>);
+                out.push(
+                    std::ffi::CStr::from_ptr(name)
+                        .to_string_lossy()
+                        .into_owned(),
+                );
+            }
+        }
+        0
+    }
+    let mut out: Vec<String> = Vec::new();
+    // SAFETY: the callback only reads the loader's entries and pushes into `out`.
+    unsafe { libc::dl_iterate_phdr(Some(collect), (&raw mut out).cast()) };
+    assert!(out.iter().any(|f| f.contains("libc.so")), "{out:?}");
+    out
 }

@@ -393,11 +393,12 @@ pub(crate) unsafe extern "C" fn poll_cq(
         }
         let max = num_entries as usize;
         let mut n = poll_into(shell, max, wc);
-        if n == 0 && max > 0 {
-            if let Some(engine) = Engine::running() {
-                engine.progress_from_app();
-                n = poll_into(shell, max, wc);
-            }
+        if n == 0
+            && max > 0
+            && let Some(engine) = Engine::running()
+        {
+            engine.progress_from_app();
+            n = poll_into(shell, max, wc);
         }
         n as c_int
     })
@@ -426,11 +427,11 @@ unsafe fn cq_ex<'a>(cq: *mut ibv_cq_ex) -> &'a CqShell {
 fn take_current(shell: &CqShell) -> c_int {
     let mut next = None;
     let mut got = shell.inner.poll(1, |w| next = Some(*w));
-    if got == 0 {
-        if let Some(engine) = Engine::running() {
-            engine.progress_from_app();
-            got = shell.inner.poll(1, |w| next = Some(*w));
-        }
+    if got == 0
+        && let Some(engine) = Engine::running()
+    {
+        engine.progress_from_app();
+        got = shell.inner.poll(1, |w| next = Some(*w));
     }
     // SAFETY: `current` and the public wr_id/status are only touched by the one thread that
     // polls this CQ between start_poll and end_poll (the API's rule).

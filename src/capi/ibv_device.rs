@@ -1,6 +1,7 @@
 //! Devices, contexts, ports, GIDs, P_Keys and asynchronous events.
 
 use super::boundary::{Attempt, Fallback, blocking, ffi_boundary, set_errno};
+use super::caller::{Caller, export_with_caller};
 use super::layout::{ContextShell, DeviceShell};
 use super::{ops, passthrough};
 use crate::engine::{Engine, host_network};
@@ -10,7 +11,7 @@ use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
-use std::cell::{Cell, UnsafeCell};
+use std::cell::UnsafeCell;
 use std::os::raw::{c_char, c_int, c_uint};
 use std::ptr::{self, null_mut};
 use std::sync::{Arc, LazyLock, Once, OnceLock};
@@ -57,31 +58,26 @@ fn attributes() -> DeviceAttributes {
 /// Device lists ugdr handed out → the real library's list they embed (0 if none).
 static LISTS: LazyLock<DashMap<usize, usize, FxBuildHasher>> = LazyLock::new(DashMap::default);
 
-thread_local! {
-    /// Set while this thread runs a real libibverbs function that lists devices itself and
-    /// reads their private provider tail (`ibv_import_device`): its `ibv_get_device_list`
-    /// call lands here and must get the real library's own list.
-    static REAL_LIST_ONLY: Cell<bool> = const { Cell::new(false) };
+export_with_caller! {
+    /// ugdr's device first, then the real library's devices (so a host with HCAs keeps them
+    /// usable); a caller whose verbs are the real ones (an application's own UCX, librdmacm,
+    /// libibverbs itself: `caller.rs`) gets the real list alone.
+    fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut ibv_device
+        => get_device_list_from, caller in "rsi" / "x1"
 }
 
-/// Runs `f` (a call into the real libibverbs) with this thread's `ibv_get_device_list`
-/// answering the real library's list alone.
-pub(crate) fn with_real_device_list<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            REAL_LIST_ONLY.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(REAL_LIST_ONLY.with(|c| c.replace(true)));
-    f()
-}
-
-/// ugdr's device first, then any real devices (so a host with HCAs keeps them usable).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut ibv_device {
+unsafe extern "C" fn get_device_list_from(
+    num_devices: *mut c_int,
+    caller: Caller,
+) -> *mut *mut ibv_device {
     ffi_boundary!("ibv_get_device_list", {
-        if REAL_LIST_ONLY.with(Cell::get) {
+        if let Some(user) = caller.real_verbs_user() {
+            tracing::debug!(
+                "ibv_get_device_list from {user}: the real libibverbs ({}) answers",
+                passthrough::LIBIBVERBS
+                    .path()
+                    .unwrap_or_else(|| "not loaded".into())
+            );
             return match passthrough::ibv_get_device_list() {
                 // SAFETY: the real function with the caller's out-parameter.
                 Some(real) => unsafe { real(num_devices) },
@@ -94,10 +90,16 @@ pub unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *m
             let mut n: c_int = 0;
             // SAFETY: the real function with a valid out-parameter.
             real_list = unsafe { real(&mut n) };
-            for i in 0..usize::try_from(n).unwrap_or(0) {
-                // SAFETY: the real list holds `n` valid entries.
-                list.push(unsafe { *real_list.add(i) });
+            if !real_list.is_null() {
+                for i in 0..usize::try_from(n).unwrap_or(0) {
+                    // SAFETY: the real list holds `n` valid entries.
+                    list.push(unsafe { *real_list.add(i) });
+                }
             }
+            tracing::debug!(
+                "ibv_get_device_list: ugdr0 and {} real devices",
+                list.len() - 1
+            );
         }
         let count = list.len() as c_int;
         list.push(null_mut());
@@ -127,11 +129,11 @@ pub unsafe extern "C" fn ibv_free_device_list(list: *mut *mut ibv_device) {
                 }
                 // SAFETY: allocated as a boxed slice of len + 1 entries by ibv_get_device_list.
                 drop(unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(list, len + 1)) });
-                if real_list != 0 {
-                    if let Some(real) = passthrough::ibv_free_device_list() {
-                        // SAFETY: the list the real library returned to us.
-                        unsafe { real(real_list as *mut *mut ibv_device) };
-                    }
+                if real_list != 0
+                    && let Some(real) = passthrough::ibv_free_device_list()
+                {
+                    // SAFETY: the list the real library returned to us.
+                    unsafe { real(real_list as *mut *mut ibv_device) };
                 }
             }
             None => {

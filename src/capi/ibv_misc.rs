@@ -7,7 +7,7 @@
 //! (`get_ops(context)`) and crash.
 
 use super::boundary::{Fallback, ffi_boundary, set_errno};
-use super::ibv_device::{ibv_query_gid, with_real_device_list};
+use super::ibv_device::ibv_query_gid;
 use super::ibv_not_yet::not_yet;
 use super::layout::{ContextShell, owned_context};
 use super::passthrough::real_functions;
@@ -65,9 +65,9 @@ not_yet! {
 }
 
 /// Imports a context from another process's command fd. ugdr's contexts have none
-/// (`cmd_fd` is -1), so only a real device's can be imported: the real function runs, with
-/// its own internal `ibv_get_device_list` answered by the real list (it reads the private
-/// provider tail of every device listed, which ugdr's device does not have).
+/// (`cmd_fd` is -1), so only a real device's can be imported: the real function runs. Its
+/// own `ibv_get_device_list` call comes from libibverbs, so it gets the real list (it reads
+/// the private provider tail of every device listed, which ugdr's device does not have).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_import_device(cmd_fd: c_int) -> *mut ibv_context {
     ffi_boundary!("ibv_import_device", {
@@ -80,9 +80,8 @@ pub unsafe extern "C" fn ibv_import_device(cmd_fd: c_int) -> *mut ibv_context {
             return <*mut ibv_context>::fail(libc::EINVAL);
         }
         match real::ibv_import_device() {
-            // SAFETY: the real function with the caller's descriptor; during the call this
-            // thread's ibv_get_device_list lists the real devices only.
-            Some(real) => with_real_device_list(|| unsafe { real(cmd_fd) }),
+            // SAFETY: the real function with the caller's descriptor.
+            Some(real) => unsafe { real(cmd_fd) },
             None => <*mut ibv_context>::fail(libc::ENODEV),
         }
     })

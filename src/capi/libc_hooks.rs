@@ -84,7 +84,7 @@ fn page_size() -> u64 {
 fn lose(addr: *const c_void, len: usize, loss: Loss) {
     let page = page_size();
     let start = addr as u64;
-    if start % page != 0 || len == 0 {
+    if !start.is_multiple_of(page) || len == 0 {
         return;
     }
     let len = (len as u64).saturating_add(page - 1) & !(page - 1);
@@ -247,11 +247,11 @@ pub unsafe extern "C" fn shmdt(addr: *const c_void) -> c_int {
     ffi_boundary!("shmdt", quiet, on_panic = -1, {
         // The segment's size is not an argument: the mapping that starts at `addr` tells it
         // (read only when something is registered).
-        if anything_registered() {
-            if let Some(len) = host_memory::attached_extent(addr as u64) {
-                invalidate_range(addr as u64, len, Loss::Pages);
-                withdraw_direct(addr as u64, len);
-            }
+        if anything_registered()
+            && let Some(len) = host_memory::attached_extent(addr as u64)
+        {
+            invalidate_range(addr as u64, len, Loss::Pages);
+            withdraw_direct(addr as u64, len);
         }
         match next_fn!(c"shmdt", ShmdtFn) {
             // SAFETY: the caller's argument, passed on.

@@ -3,6 +3,7 @@
 //! result to rdma-core's return convention (see `boundary`).
 
 pub(crate) mod boundary;
+pub(crate) mod caller;
 mod ibv_ah;
 mod ibv_cq;
 mod ibv_device;

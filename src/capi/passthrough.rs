@@ -1,43 +1,111 @@
-//! The real libibverbs, for objects that are not ugdr's.
+//! The real libibverbs and librdmacm, for objects that are not ugdr's and for callers that
+//! are not the application's.
 //!
-//! ugdr's exports are unversioned, so they interpose every IBVERBS_* version node, also for
-//! libraries loaded later. When a call carries an object ugdr did not create (a device or
-//! context of a real HCA, say), it is forwarded to the real function, looked up with the
-//! exact version node (`dlvsym(RTLD_NEXT, name, "IBVERBS_1.1")`), so the real library keeps
-//! working beside ugdr.
+//! ugdr's exports are unversioned, so they interpose every IBVERBS_* and RDMACM_* version
+//! node, also for libraries loaded later. When a call carries an object ugdr did not create
+//! (a device or context of a real HCA, an id of the real librdmacm), or comes from a library
+//! whose verbs are the real ones (`caller.rs`), it is forwarded to the real function, looked up
+//! with its exact version node (`dlvsym(handle, name, "IBVERBS_1.1")`) in the real library
+//! loaded in the application's namespace. The library is found by its soname with
+//! `RTLD_NOLOAD`: it may be loaded `RTLD_LOCAL` (UCX's modules load it so), where
+//! `RTLD_NEXT` would not find it. ugdr never loads it itself: an object of the real library,
+//! or a library that calls it, means it is loaded. The handle is kept, so the library stays
+//! loaded and the function pointers found in it stay valid.
 
 use crate::sys::*;
+use std::ffi::CStr;
 use std::os::raw::{c_int, c_void};
+use std::sync::OnceLock;
 
-/// Each entry is `name @ "VERSION": fn(args) -> ret;`, or `… : [unwind] fn(…)` for a function
-/// that blocks in a cancellation point (its pointer is `extern "C-unwind"`, so that
-/// `pthread_cancel`'s forced unwind may pass through it; see `boundary`).
+/// A real rdma-core library, found (never loaded) in the application's namespace.
+pub(crate) struct RealLibrary {
+    soname: &'static CStr,
+    handle: OnceLock<usize>,
+}
+
+pub(crate) static LIBIBVERBS: RealLibrary = RealLibrary::new(c"libibverbs.so.1");
+pub(crate) static LIBRDMACM: RealLibrary = RealLibrary::new(c"librdmacm.so.1");
+
+impl RealLibrary {
+    const fn new(soname: &'static CStr) -> RealLibrary {
+        RealLibrary {
+            soname,
+            handle: OnceLock::new(),
+        }
+    }
+
+    /// The library's handle, if it is loaded in this namespace (asked again until it is).
+    fn handle(&self) -> Option<*mut c_void> {
+        if let Some(h) = self.handle.get() {
+            return Some(*h as *mut c_void);
+        }
+        // SAFETY: a NUL-terminated soname; RTLD_NOLOAD only looks the library up.
+        let h = unsafe { libc::dlopen(self.soname.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        if h.is_null() {
+            return None;
+        }
+        if self.handle.set(h as usize).is_err() {
+            // Another thread kept its reference first; give this one back.
+            // SAFETY: the reference this call took.
+            unsafe { libc::dlclose(h) };
+        }
+        self.handle.get().map(|h| *h as *mut c_void)
+    }
+
+    /// The address of `name` at version node `version` (both NUL-terminated) in this
+    /// library, if it is loaded.
+    pub(crate) fn symbol(&self, name: &[u8], version: &[u8]) -> Option<usize> {
+        let name = CStr::from_bytes_with_nul(name).ok()?;
+        let version = CStr::from_bytes_with_nul(version).ok()?;
+        let handle = self.handle()?;
+        // SAFETY: a live handle and NUL-terminated strings; dlvsym only reads them.
+        let addr = unsafe { libc::dlvsym(handle, name.as_ptr(), version.as_ptr()) };
+        (!addr.is_null()).then_some(addr as usize)
+    }
+
+    /// The file the library was loaded from (for the log), if it is loaded.
+    pub(crate) fn path(&self) -> Option<String> {
+        // SAFETY: a handle this library keeps open.
+        unsafe { crate::sys::dl::object_path(self.handle()?) }
+    }
+}
+
+/// Defines, per entry, a function returning the real library's function of that name and
+/// version (None while the library is not loaded). `in LIB;` names the [`RealLibrary`]
+/// (libibverbs when left out). Found pointers are kept; misses are asked again.
 macro_rules! real_functions {
-    ($($name:ident @ $ver:literal : $([$unwind:ident])? fn($($arg:ty),*) -> $ret:ty;)*) => {$(
-        real_functions!(@one $name, $ver, [$($unwind)?], ($($arg),*), $ret);
+    (in $lib:path; $($name:ident @ $ver:literal : $([$unwind:ident])? fn($($arg:ty),*) -> $ret:ty;)*) => {$(
+        $crate::capi::passthrough::real_functions!(@one $lib, $name, $ver, [$($unwind)?], ($($arg),*), $ret);
     )*};
-    (@one $name:ident, $ver:literal, [], ($($arg:ty),*), $ret:ty) => {
-        real_functions!(@abi $name, $ver, "C", ($($arg),*), $ret);
+    (@one $lib:path, $name:ident, $ver:literal, [], ($($arg:ty),*), $ret:ty) => {
+        $crate::capi::passthrough::real_functions!(@abi $lib, $name, $ver, "C", ($($arg),*), $ret);
     };
-    (@one $name:ident, $ver:literal, [unwind], ($($arg:ty),*), $ret:ty) => {
-        real_functions!(@abi $name, $ver, "C-unwind", ($($arg),*), $ret);
+    (@one $lib:path, $name:ident, $ver:literal, [unwind], ($($arg:ty),*), $ret:ty) => {
+        $crate::capi::passthrough::real_functions!(@abi $lib, $name, $ver, "C-unwind", ($($arg),*), $ret);
     };
-    (@abi $name:ident, $ver:literal, $abi:tt, ($($arg:ty),*), $ret:ty) => {
-        /// The real libibverbs function of this name and version, if libibverbs is loaded.
+    (@abi $lib:path, $name:ident, $ver:literal, $abi:tt, ($($arg:ty),*), $ret:ty) => {
+        /// The real function of this name and version, if its library is loaded.
         pub(crate) fn $name() -> Option<unsafe extern $abi fn($($arg),*) -> $ret> {
             static ADDR: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-            let addr = *ADDR.get_or_init(|| {
-                let name = concat!(stringify!($name), "\0");
-                let ver = concat!($ver, "\0");
-                // SAFETY: both strings are NUL-terminated literals; dlvsym only reads them.
-                unsafe { libc::dlvsym(libc::RTLD_NEXT, name.as_ptr().cast(), ver.as_ptr().cast()) as usize }
-            });
-            if addr == 0 {
-                return None;
-            }
+            let addr = match ADDR.get() {
+                Some(a) => *a,
+                None => {
+                    let found = $lib.symbol(
+                        concat!(stringify!($name), "\0").as_bytes(),
+                        concat!($ver, "\0").as_bytes(),
+                    )?;
+                    *ADDR.get_or_init(|| found)
+                }
+            };
             // SAFETY: the symbol of this name and version node has this C signature
-            // (infiniband/verbs.h of rdma-core 44).
+            // (infiniband/verbs.h and rdma/rdma_cma.h of rdma-core 44).
             Some(unsafe { std::mem::transmute::<usize, unsafe extern $abi fn($($arg),*) -> $ret>(addr) })
+        }
+    };
+    ($($name:ident @ $ver:literal : $([$unwind:ident])? fn($($arg:ty),*) -> $ret:ty;)*) => {
+        $crate::capi::passthrough::real_functions! {
+            in $crate::capi::passthrough::LIBIBVERBS;
+            $($name @ $ver : $([$unwind])? fn($($arg),*) -> $ret;)*
         }
     };
 }

@@ -541,11 +541,12 @@ pub unsafe extern "C" fn ugdr_poll_cq(
             })
         };
         let mut n = poll();
-        if n == 0 && max > 0 {
-            if let Some(engine) = Engine::running() {
-                engine.progress_from_app();
-                n = poll();
-            }
+        if n == 0
+            && max > 0
+            && let Some(engine) = Engine::running()
+        {
+            engine.progress_from_app();
+            n = poll();
         }
         n as c_int
     })

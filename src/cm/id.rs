@@ -431,16 +431,16 @@ impl CmId {
             return;
         }
         let mut s = self.state();
-        if s.phase == Phase::RequestReceived {
-            if let Some(link) = &s.link {
-                let _ = send_message(
-                    link,
-                    &Message::Rej {
-                        reason: REJ_CONSUMER_DEFINED,
-                        private_data: Vec::new(),
-                    },
-                );
-            }
+        if s.phase == Phase::RequestReceived
+            && let Some(link) = &s.link
+        {
+            let _ = send_message(
+                link,
+                &Message::Rej {
+                    reason: REJ_CONSUMER_DEFINED,
+                    private_data: Vec::new(),
+                },
+            );
         }
         if let Some(link) = s.link.take() {
             let _ = link.shutdown(Shutdown::Both);

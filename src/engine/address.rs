@@ -161,7 +161,7 @@ fn hex_decode(s: &str) -> Option<Vec<u8>> {
         }
     }
     let s = s.as_bytes();
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     s.chunks(2)

@@ -161,7 +161,7 @@ impl LocalMemory {
         let (start, len) = backing.pages_of(view.addr, view.len)?;
         let s = self.table.mr(usize::from(slot));
         let seq = s.seq.load(Ordering::Relaxed);
-        let seq = if seq % 2 == 0 { seq + 1 } else { seq };
+        let seq = if seq.is_multiple_of(2) { seq + 1 } else { seq };
         s.seq.store(seq, Ordering::SeqCst);
         s.rkey.store(view.rkey, Ordering::Relaxed);
         s.pd.store(view.pd, Ordering::Relaxed);
@@ -219,7 +219,7 @@ impl LocalMemory {
     fn invalidate_slot(&self, slot: usize) {
         let s = self.table.mr(slot);
         let seq = s.seq.load(Ordering::Relaxed);
-        if seq % 2 == 0 {
+        if seq.is_multiple_of(2) {
             s.seq.store(seq + 1, Ordering::SeqCst);
         }
     }
@@ -234,7 +234,7 @@ impl LocalMemory {
     pub fn publish_qp(&self, qpn: u32, pd: u32, access: u32, peer_lid: u16, peer_qpn: u32) {
         let s = self.table.qp(qp_slot(qpn));
         let seq = s.seq.load(Ordering::Relaxed);
-        if seq % 2 == 0 {
+        if seq.is_multiple_of(2) {
             s.seq.store(seq + 1, Ordering::SeqCst);
             self.wait_unlocked(qp_slot(qpn));
         }
@@ -255,7 +255,7 @@ impl LocalMemory {
             return;
         }
         let seq = s.seq.load(Ordering::Relaxed);
-        if seq % 2 == 0 {
+        if seq.is_multiple_of(2) {
             s.seq.store(seq + 1, Ordering::SeqCst);
         }
         self.wait_unlocked(i);
@@ -270,7 +270,7 @@ impl LocalMemory {
     pub fn claim_qp_slot(&self, qpn: u32) {
         let s = self.table.qp(qp_slot(qpn));
         let seq = s.seq.load(Ordering::Relaxed);
-        if seq % 2 == 0 {
+        if seq.is_multiple_of(2) {
             s.seq.store(seq + 1, Ordering::SeqCst);
         }
         s.qpn.store(qpn, Ordering::Release);
@@ -294,7 +294,7 @@ impl LocalMemory {
                 return;
             }
             spins += 1;
-            if spins % 1024 == 0 && !super::address::pid_alive(holder as i32) {
+            if spins.is_multiple_of(1024) && !super::address::pid_alive(holder as i32) {
                 let _ = lock.compare_exchange(holder, 0, Ordering::SeqCst, Ordering::SeqCst);
             }
             if spins < 64 {

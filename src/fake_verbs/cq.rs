@@ -140,10 +140,8 @@ impl CompletionQueue {
             }
             fire
         };
-        if notify {
-            if let Some(ch) = &self.channel {
-                ch.events.push(self.handle());
-            }
+        if notify && let Some(ch) = &self.channel {
+            ch.events.push(self.handle());
         }
     }
 

@@ -132,10 +132,10 @@ impl SharedReceiveQueue {
         if new_max == 0 || new_max > device::MAX_QP_WR as u32 || (new_max as usize) < q.wrs.len() {
             return Err(VerbsError::Invalid("srq max_wr"));
         }
-        if let Some(l) = limit {
-            if l > new_max {
-                return Err(VerbsError::Invalid("srq_limit above max_wr"));
-            }
+        if let Some(l) = limit
+            && l > new_max
+        {
+            return Err(VerbsError::Invalid("srq_limit above max_wr"));
         }
         q.max_wr = new_max;
         if let Some(l) = limit {

@@ -13,5 +13,6 @@
 
 include!(concat!(env!("OUT_DIR"), "/sys.rs"));
 
+pub mod dl;
 pub mod ucs;
 pub mod verbs;

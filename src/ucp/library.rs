@@ -1,47 +1,259 @@
-//! Loading libucp on demand.
+//! Loading libucp on demand, in a link-map namespace of its own.
 //!
 //! ugdr is preloaded into every process a user starts (`LD_PRELOAD` is inherited by shells and
 //! children), so it must not load UCX until a verbs call needs it: linking libucp would run
-//! libucs's constructor, and its signal handlers, in every one of them. Before the first
-//! `ucp_init` ugdr sets UCX's `MODULES` option to `^ib,rdmacm`, so that UCX never loads its
-//! own InfiniBand modules into a process ugdr serves: those would call `ibv_*` and bind to
-//! ugdr's exports (docs/design.md, "Loading UCX").
+//! libucs's constructor, and its signal handlers, in every one of them.
+//!
+//! ugdr's UCX is loaded with `dlmopen(LM_ID_NEWLM)`: a namespace the preload does not reach,
+//! with its own copies of libucp, libucs, UCX's modules and their libibverbs, librdmacm and
+//! libc. There UCX's InfiniBand and rdmacm modules bind to the real libibverbs, never to
+//! ugdr's exports, so they may be loaded (`UGDR_UCX_RDMA=auto`, the default) and ugdr runs
+//! over a real NIC where one exists; its global options (`MODULES`) are its own, not those of
+//! an application's own UCX. Where no namespace can be had (glibc has 16, and the static TLS
+//! reserve holds about 11 libc copies), ugdr falls back to the application's namespace,
+//! where ugdr's exports send the calls of UCX's modules to the real libraries by their caller
+//! (docs/design.md, "UCX beside real RDMA hardware").
 
 use super::Error;
 use crate::sys;
-use std::ffi::CStr;
+use std::ffi::{CStr, c_void};
 use std::sync::OnceLock;
 
 /// The UCX entry points, resolved from `libucp.so.0` once per process.
 pub struct Ucx {
     pub(crate) api: sys::UcxLibrary,
+    /// The `dlmopen`/`dlopen` handle of libucp (kept open by `api`).
+    handle: usize,
+    namespace: Namespace,
+    rdma: Rdma,
+}
+
+/// Where ugdr's UCX lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Namespace {
+    /// Its own link-map namespace (this `Lmid_t`).
+    Own(i64),
+    /// The application's: `dlmopen` failed with this error.
+    Shared(String),
+}
+
+/// `UGDR_UCX_RDMA`: whether ugdr's UCX loads its InfiniBand and rdmacm modules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rdma {
+    /// Loaded (the default): UCX uses the RDMA devices the real libibverbs finds, if any.
+    Auto,
+    /// Not loaded (UCX's `MODULES=^ib,rdmacm`).
+    Off,
 }
 
 static UCX: OnceLock<Result<Ucx, Error>> = OnceLock::new();
 
-/// UCX's module list with the modules that would call back into ugdr removed.
-const UCX_MODULES_WITHOUT_VERBS: &CStr = c"^ib,rdmacm";
+/// UCX's module list without the modules that use RDMA devices.
+const UCX_MODULES_WITHOUT_RDMA: &CStr = c"^ib,rdmacm";
+const LIBUCP: &CStr = c"libucp.so.0";
+const LIBIBVERBS: &CStr = c"libibverbs.so.1";
+
+impl Rdma {
+    fn from_env() -> Rdma {
+        match std::env::var("UGDR_UCX_RDMA").as_deref() {
+            Ok("off") => Rdma::Off,
+            Ok("auto") | Err(_) => Rdma::Auto,
+            Ok(other) => {
+                tracing::warn!("UGDR_UCX_RDMA={other}: expected auto or off; using auto");
+                Rdma::Auto
+            }
+        }
+    }
+}
+
+/// Loads libucp into a new link-map namespace; Err(reason) when the loader refuses.
+fn load_in_own_namespace() -> Result<(sys::UcxLibrary, usize, i64), String> {
+    // SAFETY: loading libucp runs its constructors (libucs's ucs_init) in the new namespace,
+    // which is what any UCX user does; the library is kept loaded for the life of the process.
+    let handle = unsafe {
+        libc::dlmopen(
+            libc::LM_ID_NEWLM,
+            LIBUCP.as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_LOCAL,
+        )
+    };
+    if handle.is_null() {
+        return Err(dl_error());
+    }
+    let mut lmid: libc::Lmid_t = 0;
+    // SAFETY: a live handle; RTLD_DI_LMID writes one Lmid_t.
+    unsafe { libc::dlinfo(handle, libc::RTLD_DI_LMID, (&raw mut lmid).cast()) };
+    // SAFETY: a handle from dlmopen, handed to libloading, which closes it only on drop.
+    let lib = unsafe { libloading::os::unix::Library::from_raw(handle) };
+    // SAFETY: the symbols are UCX's functions with bindgen's signatures from ucp.h.
+    let api = unsafe { sys::UcxLibrary::from_library(lib) }.map_err(|e| e.to_string())?;
+    Ok((api, handle as usize, lmid))
+}
+
+/// The loader's last error text.
+fn dl_error() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl call.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        return "unknown dlopen error".into();
+    }
+    // SAFETY: as above.
+    unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+}
 
 impl Ucx {
-    /// Loads libucp (once) and keeps UCX's IB and rdmacm modules out of this process.
+    /// Loads libucp (once) and sets its module list.
     pub fn get() -> Result<&'static Ucx, Error> {
         UCX.get_or_init(Ucx::load).as_ref().map_err(Clone::clone)
     }
 
     fn load() -> Result<Ucx, Error> {
-        // SAFETY: loading libucp runs its constructors (libucs's ucs_init), which is what any
-        // UCX user does; the library is kept loaded for the life of the process.
-        let api = unsafe { sys::UcxLibrary::new("libucp.so.0") }
-            .map_err(|e| Error::Load(e.to_string()))?;
-        // SAFETY: both strings are NUL-terminated and outlive the call; UCX copies the value.
-        let status = unsafe {
-            api.ucs_global_opts_set_value(c"MODULES".as_ptr(), UCX_MODULES_WITHOUT_VERBS.as_ptr())
+        let rdma = Rdma::from_env();
+        let (api, handle, namespace) = match load_in_own_namespace() {
+            Ok((api, handle, lmid)) => (api, handle, Namespace::Own(lmid)),
+            Err(reason) => {
+                tracing::warn!(
+                    "ucx: no link-map namespace of its own ({reason}); UCX shares the \
+                     application's, its modules' verbs calls reach the real libraries by caller"
+                );
+                // SAFETY: as in load_in_own_namespace, in the application's namespace.
+                let lib = unsafe { libloading::os::unix::Library::new("libucp.so.0") }
+                    .map_err(|e| Error::Load(e.to_string()))?;
+                let handle = lib.into_raw();
+                // SAFETY: the handle just opened, handed back to libloading.
+                let lib = unsafe { libloading::os::unix::Library::from_raw(handle) };
+                // SAFETY: as in load_in_own_namespace.
+                let api = unsafe { sys::UcxLibrary::from_library(lib) }
+                    .map_err(|e| Error::Load(e.to_string()))?;
+                (api, handle as usize, Namespace::Shared(reason))
+            }
         };
-        if status != sys::ucs_status_t::UCS_OK {
-            tracing::warn!("ucx: cannot set MODULES=^ib,rdmacm (status {})", status.0);
+        if rdma == Rdma::Off {
+            // SAFETY: both strings are NUL-terminated and outlive the call; UCX copies the value.
+            let status = unsafe {
+                api.ucs_global_opts_set_value(
+                    c"MODULES".as_ptr(),
+                    UCX_MODULES_WITHOUT_RDMA.as_ptr(),
+                )
+            };
+            if status != sys::ucs_status_t::UCS_OK {
+                tracing::warn!("ucx: cannot set MODULES=^ib,rdmacm (status {})", status.0);
+            }
         }
-        Ok(Ucx { api })
+        tracing::debug!("ucx: loaded in namespace {namespace:?}, rdma modules {rdma:?}");
+        Ok(Ucx {
+            api,
+            handle,
+            namespace,
+            rdma,
+        })
     }
+
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    pub fn rdma(&self) -> Rdma {
+        self.rdma
+    }
+
+    /// UCX options ugdr sets in every context's configuration, unless the user set them
+    /// (`UCX_<name>`). In a namespace of its own, UCX's memory hooks see only that namespace's
+    /// `mmap`/`munmap`, not the application's, so a registration cache could keep serving a
+    /// registration of pages the application has since unmapped (or ugdr has remapped for the
+    /// same-host path): where UCX has RDMA devices, application memory is registered per use.
+    /// (Without devices nothing is set: UCX warns about an option no component reads.)
+    pub(crate) fn context_options(&self) -> Vec<(&'static CStr, &'static CStr)> {
+        if !matches!(self.namespace, Namespace::Own(_)) || self.rdma == Rdma::Off {
+            return Vec::new();
+        }
+        if self.devices(true).is_none_or(|d| d.is_empty()) {
+            return Vec::new();
+        }
+        [(c"IB_REG_METHODS", c"direct"), (c"RCACHE_ENABLE", c"n")]
+            .into_iter()
+            .filter(|(name, _)| {
+                std::env::var_os(format!("UCX_{}", name.to_string_lossy())).is_none()
+            })
+            .collect()
+    }
+
+    /// The files loaded in UCX's namespace (its own: all of UCX and what it pulled in; the
+    /// application's: everything there), in load order.
+    pub fn namespace_objects(&self) -> Vec<String> {
+        // SAFETY: libucp's handle, kept open by `api`; UCX never unloads a module.
+        unsafe { sys::dl::namespace_objects(self.handle as *mut c_void) }
+    }
+
+    /// The names of the RDMA devices that the libibverbs UCX's InfiniBand module uses lists;
+    /// None when that module did not load libibverbs (`UGDR_UCX_RDMA=off`).
+    pub fn rdma_devices(&self) -> Option<Vec<String>> {
+        self.devices(false)
+    }
+
+    /// The devices the libibverbs of UCX's namespace lists, loading it there first when `load`.
+    fn devices(&self, load: bool) -> Option<Vec<String>> {
+        let mode = libc::RTLD_LAZY | if load { 0 } else { libc::RTLD_NOLOAD };
+        // SAFETY: opens (or only looks up) libibverbs in UCX's namespace.
+        let handle = unsafe {
+            match self.namespace {
+                Namespace::Own(lmid) => libc::dlmopen(lmid, LIBIBVERBS.as_ptr(), mode),
+                Namespace::Shared(_) => libc::dlopen(LIBIBVERBS.as_ptr(), mode),
+            }
+        };
+        if handle.is_null() {
+            return None;
+        }
+        let names = list_devices(handle);
+        if !load {
+            // SAFETY: the reference taken above. (One that loaded the library stays: UCX's
+            // ib module loads it next.)
+            unsafe { libc::dlclose(handle) };
+        }
+        names
+    }
+}
+
+/// `ibv_get_device_list` of the libibverbs behind `handle`: the devices' names.
+fn list_devices(handle: *mut c_void) -> Option<Vec<String>> {
+    type GetList = unsafe extern "C" fn(*mut i32) -> *mut *mut c_void;
+    type FreeList = unsafe extern "C" fn(*mut *mut c_void);
+    type Name = unsafe extern "C" fn(*mut c_void) -> *const std::ffi::c_char;
+    let sym = |name: &CStr| {
+        // SAFETY: a live handle and a NUL-terminated name.
+        let p = unsafe { libc::dlvsym(handle, name.as_ptr(), c"IBVERBS_1.1".as_ptr()) };
+        (!p.is_null()).then_some(p)
+    };
+    let (get, free, name) = (
+        sym(c"ibv_get_device_list")?,
+        sym(c"ibv_free_device_list")?,
+        sym(c"ibv_get_device_name")?,
+    );
+    // SAFETY: libibverbs' functions of these names at IBVERBS_1.1 have these signatures.
+    let (get, free, name) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, GetList>(get),
+            std::mem::transmute::<*mut c_void, FreeList>(free),
+            std::mem::transmute::<*mut c_void, Name>(name),
+        )
+    };
+    let mut n = 0;
+    // SAFETY: the real function with a valid out-parameter.
+    let list = unsafe { get(&mut n) };
+    if list.is_null() {
+        return Some(Vec::new());
+    }
+    let names = (0..usize::try_from(n).unwrap_or(0))
+        .filter_map(|i| {
+            // SAFETY: the list holds `n` devices; each name is a NUL-terminated string.
+            let p = unsafe { name(*list.add(i)) };
+            // SAFETY: as above.
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        })
+        .collect();
+    // SAFETY: the list this library returned.
+    unsafe { free(list) };
+    Some(names)
 }
 
 /// UCX's version string, e.g. "1.13.1".

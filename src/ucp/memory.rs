@@ -392,7 +392,7 @@ impl AppSpan {
     /// # Safety
     /// Only while a [`Hold`] of this span is alive.
     unsafe fn as_atomic(&self) -> Option<&std::sync::atomic::AtomicU64> {
-        if self.len != 8 || self.addr % 8 != 0 {
+        if self.len != 8 || !self.addr.is_multiple_of(8) {
             return None;
         }
         // SAFETY: 8 registered bytes (AppRegion's contract), held, 8-byte aligned (checked),
@@ -417,7 +417,7 @@ impl AppSpan {
     }
 
     fn atomically(&self, op: impl FnOnce(&std::sync::atomic::AtomicU64) -> u64) -> Option<u64> {
-        if self.len != 8 || self.addr % 8 != 0 {
+        if self.len != 8 || !self.addr.is_multiple_of(8) {
             return None;
         }
         let Some(_held) = self.hold() else {

@@ -18,7 +18,7 @@ mod status;
 mod worker;
 
 pub use endpoint::{Endpoint, SendDone, SendPayload, SendState};
-pub use library::{Ucx, ucx_version};
+pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
     AppRegion, AppSpan, Hold, Loss, anything_registered, gather, hold_all, invalidate_range,
     scatter,

@@ -31,6 +31,16 @@ impl Context {
             ucx.api
                 .ucp_config_read(ptr::null(), ptr::null(), &mut config)
         })?;
+        for (name, value) in ucx.context_options() {
+            // SAFETY: a configuration from ucp_config_read; UCX copies both strings.
+            let status = unsafe {
+                ucx.api
+                    .ucp_config_modify(config, name.as_ptr(), value.as_ptr())
+            };
+            if status != sys::ucs_status_t::UCS_OK {
+                tracing::warn!("ucx: cannot set {name:?}={value:?} (status {})", status.0);
+            }
+        }
         let params = sys::ucp_params {
             field_mask: (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES.0
                 | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED.0

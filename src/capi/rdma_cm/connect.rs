@@ -7,7 +7,7 @@ use super::device::cm_device;
 use super::event::{complete, release_kept_event};
 use super::id::{IdShell, our_id, refresh};
 use super::qp::{VerbsQp, dyn_qp};
-use super::{cm_boundary, cm_status, fail};
+use super::{cm_boundary, cm_status, fail, forward};
 use crate::cm::{
     CmError, CmId, ConnParam, IdQp, REJ_CONSUMER_DEFINED, REJ_VENDOR_OPTION_NOT_SUPPORTED,
 };
@@ -77,7 +77,7 @@ unsafe fn connect_or_accept<'a>(
 pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, backlog: c_int) -> c_int {
     cm_boundary!("rdma_listen", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_listen(id, backlog));
         };
         let r = shell.inner.listen(backlog);
         if r.is_ok() {
@@ -95,6 +95,9 @@ pub unsafe extern "C" fn rdma_connect(
     conn_param: *mut rdma_conn_param,
 ) -> c_int {
     cm_boundary!("rdma_connect", {
+        if our_id(id).is_none() {
+            return forward!(rdma_connect(id, conn_param));
+        }
         // SAFETY: the caller's parameters (or NULL).
         match unsafe { connect_or_accept(id, conn_param, CmId::connect_with) } {
             Ok(shell) => complete(shell),
@@ -109,6 +112,9 @@ pub unsafe extern "C" fn rdma_accept(
     conn_param: *mut rdma_conn_param,
 ) -> c_int {
     cm_boundary!("rdma_accept", {
+        if our_id(id).is_none() {
+            return forward!(rdma_accept(id, conn_param));
+        }
         // SAFETY: the caller's parameters (or NULL).
         let shell = match unsafe { connect_or_accept(id, conn_param, CmId::accept_with) } {
             Ok(shell) => shell,
@@ -142,6 +148,9 @@ pub unsafe extern "C" fn rdma_reject(
     private_data_len: u8,
 ) -> c_int {
     cm_boundary!("rdma_reject", {
+        if our_id(id).is_none() {
+            return forward!(rdma_reject(id, private_data, private_data_len));
+        }
         reject(id, private_data, private_data_len, REJ_CONSUMER_DEFINED)
     })
 }
@@ -153,6 +162,9 @@ pub unsafe extern "C" fn rdma_reject_ece(
     private_data_len: u8,
 ) -> c_int {
     cm_boundary!("rdma_reject_ece", {
+        if our_id(id).is_none() {
+            return forward!(rdma_reject_ece(id, private_data, private_data_len));
+        }
         reject(
             id,
             private_data,
@@ -166,7 +178,7 @@ pub unsafe extern "C" fn rdma_reject_ece(
 pub unsafe extern "C" fn rdma_establish(id: *mut rdma_cm_id) -> c_int {
     cm_boundary!("rdma_establish", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_establish(id));
         };
         let qp = VerbsQp::of(shell);
         cm_status(shell.inner.establish_own_qp(dyn_qp(&qp)))
@@ -177,7 +189,7 @@ pub unsafe extern "C" fn rdma_establish(id: *mut rdma_cm_id) -> c_int {
 pub unsafe extern "C" fn rdma_disconnect(id: *mut rdma_cm_id) -> c_int {
     cm_boundary!("rdma_disconnect", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_disconnect(id));
         };
         let qp = VerbsQp::of(shell);
         match shell.inner.disconnect_with(dyn_qp(&qp)) {
@@ -194,10 +206,10 @@ pub unsafe extern "C" fn rdma_disconnect(id: *mut rdma_cm_id) -> c_int {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rdma_notify(id: *mut rdma_cm_id, _event: ibv_event_type) -> c_int {
+pub unsafe extern "C" fn rdma_notify(id: *mut rdma_cm_id, event: ibv_event_type) -> c_int {
     cm_boundary!("rdma_notify", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_notify(id, event));
         };
         cm_status(shell.inner.notify())
     })

@@ -8,8 +8,10 @@ use super::id::{
     create_id, our_id, rdma_bind_addr, rdma_destroy_id, rdma_resolve_addr, rdma_resolve_route,
 };
 use super::qp::{rdma_create_qp, rdma_destroy_qp, rdma_destroy_srq};
-use super::{cm_boundary, cm_status, errno_or, fail};
+use super::{call_real, cm_boundary, cm_status, errno_or, fail, forward};
 use crate::capi::boundary::{ffi_boundary, set_errno};
+use crate::capi::caller::{Caller, export_with_caller};
+use crate::capi::ibv_pd_mr::our_pd;
 use crate::cm::request_result;
 use crate::sys::*;
 use std::os::raw::c_int;
@@ -18,14 +20,30 @@ use std::ptr;
 /// How long `rdma_create_ep` lets address and route resolution take, in ms.
 const RESOLVE_TIMEOUT_MS: c_int = 2000;
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn rdma_create_ep(
+export_with_caller! {
+    /// A synchronous endpoint of ugdr's; the real librdmacm's for a PD of a real device, or
+    /// for a caller whose verbs are the real ones.
+    fn rdma_create_ep(
+        id: *mut *mut rdma_cm_id,
+        res: *mut rdma_addrinfo,
+        pd: *mut ibv_pd,
+        qp_init_attr: *mut ibv_qp_init_attr
+    ) -> c_int => create_ep_from, caller in "r8" / "x4"
+}
+
+unsafe extern "C" fn create_ep_from(
     id: *mut *mut rdma_cm_id,
     res: *mut rdma_addrinfo,
     pd: *mut ibv_pd,
     qp_init_attr: *mut ibv_qp_init_attr,
+    caller: Caller,
 ) -> c_int {
     cm_boundary!("rdma_create_ep", {
+        // SAFETY: the caller's PD (or NULL): ugdr's, or a real device's.
+        let real_pd = !pd.is_null() && unsafe { our_pd(pd) }.is_none();
+        if real_pd || caller.real_verbs_user().is_some() {
+            return call_real!(rdma_create_ep(id, res, pd, qp_init_attr) or fail(libc::ENODEV));
+        }
         // SAFETY: the caller's addrinfo (or NULL).
         let Some(res) = (unsafe { res.as_ref() }) else {
             return fail(libc::EINVAL);
@@ -128,7 +146,7 @@ unsafe fn setup_ep(
 pub unsafe extern "C" fn rdma_destroy_ep(id: *mut rdma_cm_id) {
     ffi_boundary!("rdma_destroy_ep", {
         let Some(shell) = our_id(id) else {
-            return set_errno(libc::EINVAL);
+            return forward!(rdma_destroy_ep(id) or set_errno(libc::EINVAL));
         };
         // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
         let (qp, srq) = unsafe { ((*shell.raw.get()).qp, (*shell.raw.get()).srq) };
@@ -152,7 +170,7 @@ pub unsafe extern "C" fn rdma_get_request(
 ) -> c_int {
     cm_boundary!("rdma_get_request", {
         let Some(shell) = our_id(listen) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_get_request(listen, id));
         };
         if !shell.inner.channel().is_sync() || id.is_null() {
             return fail(libc::EINVAL);

@@ -5,8 +5,9 @@
 
 use super::id::{IdShell, fill_path, new_id_shell, our_id, refresh};
 use super::qp::{VerbsQp, dyn_qp};
-use super::{cm_boundary, cm_status, device::cm_device, fail};
+use super::{call_real, cm_boundary, cm_status, device::cm_device, fail, forward};
 use crate::capi::boundary::{Attempt, blocking, ffi_boundary, set_errno};
+use crate::capi::caller::{Caller, export_with_caller};
 use crate::capi::ibv_qp::av_to;
 use crate::cm::{CmEvent, CmId, EventChannel, EventKind, sync_call_result};
 use crate::sys::*;
@@ -50,6 +51,28 @@ pub(super) fn our_channel<'a>(ch: *mut rdma_event_channel) -> Option<&'a Channel
         // SAFETY: a registered pointer was published by `Box::into_raw` of a ChannelShell and
         // is unregistered before it is freed.
         .then(|| unsafe { &*(ch as *const ChannelShell) })
+}
+
+/// A channel ugdr did not create and has not destroyed lately: the real librdmacm's.
+pub(super) fn not_ours_channel(ch: *mut rdma_event_channel) -> bool {
+    our_channel(ch).is_none() && !retired_channel(ch)
+}
+
+/// One of ugdr's channels, destroyed lately.
+fn retired_channel(ch: *mut rdma_event_channel) -> bool {
+    RETIRED_CHANNELS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&(ch as usize))
+}
+
+/// A channel the real librdmacm just created, perhaps where one of ugdr's was: no longer
+/// one of ugdr's retired channels.
+fn unretire(ch: *mut rdma_event_channel) {
+    RETIRED_CHANNELS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|c| *c != ch as usize);
 }
 
 /// The channel an application names for an id: none (NULL: the id is to be synchronous) or
@@ -265,9 +288,24 @@ pub(super) fn complete(shell: &IdShell) -> c_int {
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel {
+export_with_caller! {
+    /// ugdr's channel; the real librdmacm's for a caller whose verbs are the real ones (an
+    /// application's own UCX, librdmacm itself).
+    fn rdma_create_event_channel() -> *mut rdma_event_channel
+        => create_event_channel_from, caller in "rdi" / "x0"
+}
+
+unsafe extern "C" fn create_event_channel_from(caller: Caller) -> *mut rdma_event_channel {
     ffi_boundary!("rdma_create_event_channel", {
+        if let Some(user) = caller.real_verbs_user() {
+            tracing::debug!("rdma_create_event_channel from {user}: the real librdmacm's");
+            let ch = call_real!(rdma_create_event_channel() or {
+                set_errno(libc::ENODEV);
+                ptr::null_mut()
+            });
+            unretire(ch);
+            return ch;
+        }
         if let Err(e) = cm_device() {
             set_errno(e);
             return ptr::null_mut();
@@ -285,7 +323,11 @@ pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rdma_destroy_event_channel(channel: *mut rdma_event_channel) {
     ffi_boundary!("rdma_destroy_event_channel", {
-        free_channel_shell(channel);
+        if our_channel(channel).is_some() {
+            free_channel_shell(channel);
+        } else if not_ours_channel(channel) {
+            forward!(rdma_destroy_event_channel(channel) or ())
+        }
     })
 }
 
@@ -303,11 +345,7 @@ pub unsafe extern "C-unwind" fn rdma_get_cm_event(
         || fail(libc::EIO),
         |_| {
             let Some(ch) = our_channel(channel) else {
-                let retired = RETIRED_CHANNELS
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .contains(&(channel as usize));
-                if retired {
+                if retired_channel(channel) {
                     // A thread that comes back for the next event just after another destroyed
                     // the channel (rping 44's CM thread does at exit). With the kernel that call
                     // was usually in flight already and stays blocked until the process exits;
@@ -315,7 +353,8 @@ pub unsafe extern "C-unwind" fn rdma_get_cm_event(
                     std::thread::sleep(RETIRED_GRACE);
                     return Attempt::Done(fail(libc::EBADF));
                 }
-                return Attempt::Done(fail(libc::EINVAL));
+                // Not ugdr's: the real librdmacm's channel.
+                return Attempt::Done(forward!(rdma_get_cm_event(channel, event)));
             };
             if event.is_null() {
                 return Attempt::Done(fail(libc::EINVAL));
@@ -347,7 +386,7 @@ pub unsafe extern "C" fn rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
         if free_event(event) {
             0
         } else {
-            fail(libc::EINVAL)
+            forward!(rdma_ack_cm_event(event))
         }
     })
 }

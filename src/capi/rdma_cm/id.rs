@@ -6,10 +6,12 @@
 
 use super::device::cm_device;
 use super::event::{
-    channel_shell, complete, free_channel_shell, release_kept_event, requested_channel,
+    channel_shell, complete, free_channel_shell, not_ours_channel, release_kept_event,
+    requested_channel,
 };
-use super::{cm_boundary, cm_status, fail};
+use super::{call_real, cm_boundary, cm_status, fail, forward};
 use crate::capi::boundary::ffi_boundary;
+use crate::capi::caller::{Caller, export_with_caller};
 use crate::cm::{CmId, DEFAULT_PKEY, HOP_LIMIT, PACKET_LIFE_TIME, PATH_MTU_4096, PortSpace, Route};
 use crate::sys::*;
 use dashmap::DashSet;
@@ -194,14 +196,35 @@ pub(super) fn create_id(
     0
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn rdma_create_id(
+export_with_caller! {
+    /// An id on one of ugdr's channels (or, without a channel, a synchronous id), ugdr's; on
+    /// a channel of the real librdmacm, or without one for a caller whose verbs are the real
+    /// ones (an application's own UCX, librdmacm itself), the real library's.
+    fn rdma_create_id(
+        channel: *mut rdma_event_channel,
+        id: *mut *mut rdma_cm_id,
+        context: *mut c_void,
+        ps: rdma_port_space
+    ) -> c_int => create_id_from, caller in "r8" / "x4"
+}
+
+unsafe extern "C" fn create_id_from(
     channel: *mut rdma_event_channel,
     id: *mut *mut rdma_cm_id,
     context: *mut c_void,
     ps: rdma_port_space,
+    caller: Caller,
 ) -> c_int {
     cm_boundary!("rdma_create_id", {
+        if !channel.is_null() && not_ours_channel(channel) {
+            return forward!(rdma_create_id(channel, id, context, ps));
+        }
+        if channel.is_null()
+            && let Some(user) = caller.real_verbs_user()
+        {
+            tracing::debug!("rdma_create_id from {user}: the real librdmacm's");
+            return call_real!(rdma_create_id(channel, id, context, ps) or fail(libc::ENODEV));
+        }
         let Some(port_space) = PortSpace::from_raw(ps.0) else {
             return fail(libc::EINVAL);
         };
@@ -213,7 +236,7 @@ pub unsafe extern "C" fn rdma_create_id(
 pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
     cm_boundary!("rdma_destroy_id", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_destroy_id(id));
         };
         // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
         let raw = unsafe { &mut *shell.raw.get() };
@@ -241,7 +264,7 @@ pub unsafe extern "C" fn rdma_migrate_id(
 ) -> c_int {
     cm_boundary!("rdma_migrate_id", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_migrate_id(id, channel));
         };
         let requested = match requested_channel(channel) {
             Ok(c) => c,
@@ -268,7 +291,7 @@ pub unsafe extern "C" fn rdma_migrate_id(
 pub unsafe extern "C" fn rdma_bind_addr(id: *mut rdma_cm_id, addr: *mut sockaddr) -> c_int {
     cm_boundary!("rdma_bind_addr", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_bind_addr(id, addr));
         };
         // SAFETY: the caller's sockaddr (or NULL).
         let Some(addr) = (unsafe { read_sockaddr(addr) }) else {
@@ -294,7 +317,7 @@ pub unsafe extern "C" fn rdma_resolve_addr(
 ) -> c_int {
     cm_boundary!("rdma_resolve_addr", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_resolve_addr(id, src_addr, dst_addr, timeout_ms));
         };
         // SAFETY: the caller's sockaddrs (or NULL).
         let (src, dst) = unsafe { (read_sockaddr(src_addr), read_sockaddr(dst_addr)) };
@@ -320,10 +343,10 @@ pub unsafe extern "C" fn rdma_resolve_addr(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rdma_resolve_route(id: *mut rdma_cm_id, _timeout_ms: c_int) -> c_int {
+pub unsafe extern "C" fn rdma_resolve_route(id: *mut rdma_cm_id, timeout_ms: c_int) -> c_int {
     cm_boundary!("rdma_resolve_route", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_resolve_route(id, timeout_ms));
         };
         if let Err(e) = shell.inner.resolve_route() {
             return cm_status(Err(e));
@@ -335,18 +358,20 @@ pub unsafe extern "C" fn rdma_resolve_route(id: *mut rdma_cm_id, _timeout_ms: c_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rdma_get_src_port(id: *mut rdma_cm_id) -> u16 {
     ffi_boundary!("rdma_get_src_port", on_panic = 0, {
-        our_id(id)
-            .and_then(|s| s.inner.local_addr())
-            .map_or(0, |a| a.port().to_be())
+        match our_id(id) {
+            Some(s) => s.inner.local_addr().map_or(0, |a| a.port().to_be()),
+            None => forward!(rdma_get_src_port(id) or 0),
+        }
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rdma_get_dst_port(id: *mut rdma_cm_id) -> u16 {
     ffi_boundary!("rdma_get_dst_port", on_panic = 0, {
-        our_id(id)
-            .and_then(|s| s.inner.remote_addr())
-            .map_or(0, |a| a.port().to_be())
+        match our_id(id) {
+            Some(s) => s.inner.remote_addr().map_or(0, |a| a.port().to_be()),
+            None => forward!(rdma_get_dst_port(id) or 0),
+        }
     })
 }
 
@@ -359,7 +384,10 @@ pub unsafe extern "C" fn rdma_set_option(
     optlen: usize,
 ) -> c_int {
     cm_boundary!("rdma_set_option", {
-        if our_id(id).is_none() || optval.is_null() {
+        if our_id(id).is_none() {
+            return forward!(rdma_set_option(id, level, optname, optval, optlen));
+        }
+        if optval.is_null() {
             return fail(libc::EINVAL);
         }
         // The options change nothing ugdr models (TOS, timeouts, reuse: the bind already

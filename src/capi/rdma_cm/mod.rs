@@ -16,6 +16,8 @@
 //!   (`rdma_create_ep`, `rdma_get_request`).
 //! * `addrinfo.rs` — `rdma_getaddrinfo`.
 //! * `not_offered.rs` — multicast and ECE, which ugdr's fabric has not.
+//! * `real.rs` — the real librdmacm, for ids, channels, events and device lists it created
+//!   (for callers whose verbs are the real ones: an application's own UCX, `caller.rs`).
 
 mod addrinfo;
 mod connect;
@@ -25,6 +27,7 @@ mod event;
 mod id;
 mod not_offered;
 mod qp;
+mod real;
 
 use super::boundary::set_errno;
 use crate::cm::CmError;
@@ -44,6 +47,37 @@ macro_rules! cm_boundary {
     };
 }
 use cm_boundary;
+
+/// The real librdmacm's function of the same name called with these arguments, or `or` when
+/// the real library is not loaded.
+macro_rules! call_real {
+    ($name:ident($($arg:expr),*) or $or:expr) => {
+        match $crate::capi::rdma_cm::real::$name() {
+            // SAFETY: the real function of this name and version, with the arguments the
+            // application (or the library calling) passed to ugdr's export.
+            Some(real) => unsafe { real($($arg),*) },
+            None => $or,
+        }
+    };
+}
+use call_real;
+
+/// For an object ugdr did not create: the real librdmacm's function of the same name (the
+/// object is one it created, so it is loaded), called with the same arguments. NULL, or no
+/// real librdmacm in the process, fails with `or` (default -1 and EINVAL).
+macro_rules! forward {
+    ($name:ident($first:expr $(, $arg:expr)*)) => {
+        $crate::capi::rdma_cm::forward!($name($first $(, $arg)*) or $crate::capi::rdma_cm::fail(libc::EINVAL))
+    };
+    ($name:ident($first:expr $(, $arg:expr)*) or $or:expr) => {
+        if $first.is_null() {
+            $or
+        } else {
+            $crate::capi::rdma_cm::call_real!($name($first $(, $arg)*) or $or)
+        }
+    };
+}
+use forward;
 
 /// librdmacm's failure: -1 with errno.
 fn fail(errno: c_int) -> c_int {

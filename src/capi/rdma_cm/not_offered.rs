@@ -1,16 +1,20 @@
 //! What librdmacm offers and ugdr's fabric has not: multicast and ECE (enhanced connection
-//! establishment). Each export fails with EOPNOTSUPP.
+//! establishment). Each export fails with EOPNOTSUPP for ugdr's ids; an id of the real
+//! librdmacm goes to it.
 
-use super::{cm_boundary, fail};
+use super::id::our_id;
+use super::{cm_boundary, fail, forward};
 use crate::sys::*;
 use std::os::raw::{c_int, c_void};
 
 macro_rules! not_offered {
-    ($name:ident ( $($arg:ident : $ty:ty),* )) => {
+    ($name:ident ( id: $idty:ty $(, $arg:ident : $ty:ty)* )) => {
         #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+        pub unsafe extern "C" fn $name(id: $idty $(, $arg: $ty)*) -> c_int {
             cm_boundary!(stringify!($name), {
-                $(let _ = $arg;)*
+                if our_id(id).is_none() {
+                    return forward!($name(id $(, $arg)*));
+                }
                 tracing::debug!(concat!(stringify!($name), ": not offered by ugdr"));
                 fail(libc::EOPNOTSUPP)
             })

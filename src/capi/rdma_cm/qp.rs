@@ -3,7 +3,7 @@
 //! drives it, through `ibv_modify_qp` as librdmacm does.
 
 use super::id::{IdShell, our_id};
-use super::{cm_boundary, cm_status, errno_or, fail};
+use super::{cm_boundary, cm_status, errno_or, fail, forward};
 use crate::capi::boundary::{ffi_boundary, set_errno};
 use crate::capi::ibv_cq::{
     ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel, ibv_destroy_cq,
@@ -76,7 +76,7 @@ pub unsafe extern "C" fn rdma_init_qp_attr(
 ) -> c_int {
     cm_boundary!("rdma_init_qp_attr", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_init_qp_attr(id, qp_attr, qp_attr_mask));
         };
         if qp_attr.is_null() || qp_attr_mask.is_null() {
             return fail(libc::EINVAL);
@@ -232,6 +232,9 @@ pub unsafe extern "C" fn rdma_create_qp_ex(
     qp_init_attr: *mut ibv_qp_init_attr_ex,
 ) -> c_int {
     cm_boundary!("rdma_create_qp_ex", {
+        if our_id(id).is_none() {
+            return forward!(rdma_create_qp_ex(id, qp_init_attr));
+        }
         // SAFETY: the caller's attribute struct (or NULL).
         match unsafe { qp_init_attr.as_mut() } {
             Some(attr) => create_qp(id, attr),
@@ -247,11 +250,11 @@ pub unsafe extern "C" fn rdma_create_qp(
     qp_init_attr: *mut ibv_qp_init_attr,
 ) -> c_int {
     cm_boundary!("rdma_create_qp", {
+        let Some(shell) = our_id(id) else {
+            return forward!(rdma_create_qp(id, pd, qp_init_attr));
+        };
         // SAFETY: the caller's attribute struct (or NULL).
         let Some(a) = (unsafe { qp_init_attr.as_mut() }) else {
-            return fail(libc::EINVAL);
-        };
-        let Some(shell) = our_id(id) else {
             return fail(libc::EINVAL);
         };
         // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
@@ -281,7 +284,7 @@ pub unsafe extern "C" fn rdma_create_qp(
 pub unsafe extern "C" fn rdma_destroy_qp(id: *mut rdma_cm_id) {
     ffi_boundary!("rdma_destroy_qp", {
         let Some(shell) = our_id(id) else {
-            return set_errno(libc::EINVAL);
+            return forward!(rdma_destroy_qp(id) or set_errno(libc::EINVAL));
         };
         // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
         let raw = unsafe { &mut *shell.raw.get() };
@@ -303,7 +306,7 @@ pub unsafe extern "C" fn rdma_create_srq(
 ) -> c_int {
     cm_boundary!("rdma_create_srq", {
         let Some(shell) = our_id(id) else {
-            return fail(libc::EINVAL);
+            return forward!(rdma_create_srq(id, pd, attr));
         };
         // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
         let raw = unsafe { &mut *shell.raw.get() };
@@ -328,6 +331,9 @@ pub unsafe extern "C" fn rdma_create_srq_ex(
     attr: *mut ibv_srq_init_attr_ex,
 ) -> c_int {
     cm_boundary!("rdma_create_srq_ex", {
+        if our_id(id).is_none() {
+            return forward!(rdma_create_srq_ex(id, attr));
+        }
         // SAFETY: the caller's attributes (or NULL).
         let Some(a) = (unsafe { attr.as_ref() }) else {
             return fail(libc::EINVAL);
@@ -355,7 +361,7 @@ pub unsafe extern "C" fn rdma_create_srq_ex(
 pub unsafe extern "C" fn rdma_destroy_srq(id: *mut rdma_cm_id) {
     ffi_boundary!("rdma_destroy_srq", {
         let Some(shell) = our_id(id) else {
-            return set_errno(libc::EINVAL);
+            return forward!(rdma_destroy_srq(id) or set_errno(libc::EINVAL));
         };
         // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
         let raw = unsafe { &mut *shell.raw.get() };

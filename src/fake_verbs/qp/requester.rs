@@ -96,10 +96,10 @@ impl QueuePair {
         if req.sges.len() > self.caps.max_send_sge as usize {
             return Err(VerbsError::Invalid("num_sge above max_send_sge"));
         }
-        if let Some(d) = &req.inline_data {
-            if d.len() > self.caps.max_inline_data as usize {
-                return Err(VerbsError::Invalid("inline data above max_inline_data"));
-            }
+        if let Some(d) = &req.inline_data
+            && d.len() > self.caps.max_inline_data as usize
+        {
+            return Err(VerbsError::Invalid("inline data above max_inline_data"));
         }
         let length = req.length();
         if length > u64::from(device::MAX_MSG_SIZE) {
@@ -128,7 +128,10 @@ impl QueuePair {
             SendOpcode::RdmaRead => Op::ReadRequest,
             SendOpcode::AtomicFetchAndAdd | SendOpcode::AtomicCmpAndSwp => {
                 // As rxe's validate_send_wr: one 8-byte SGE and an 8-byte aligned address.
-                if req.sges.len() != 1 || req.sges[0].length != 8 || req.remote_addr % 8 != 0 {
+                if req.sges.len() != 1
+                    || req.sges[0].length != 8
+                    || !req.remote_addr.is_multiple_of(8)
+                {
                     return Err(VerbsError::Invalid(
                         "atomic needs one 8-byte SGE and an aligned remote address",
                     ));
