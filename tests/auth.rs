@@ -198,7 +198,10 @@ fn a_stranger_with_the_worker_address_lands_no_write_and_consumes_no_receive() {
     let (status, lines, log) = victim.finish(Duration::from_secs(30));
     assert_eq!(
         (status, lines.as_slice()),
-        (Some(0), ["untouched".to_string(), "legit ok".to_string()].as_slice()),
+        (
+            Some(0),
+            ["untouched".to_string(), "legit ok".to_string()].as_slice()
+        ),
         "the victim\n{log}"
     );
     // Every message of the stranger reached the victim's engine and was dropped there.
@@ -247,7 +250,11 @@ fn wait_for_entry(rundir: &Path, process: &mut Guarded) -> u16 {
         if let Some(name) = found {
             return u16::from_str_radix(&name[4..], 16).unwrap();
         }
-        assert!(Instant::now() < deadline, "no entry in {}", rundir.display());
+        assert!(
+            Instant::now() < deadline,
+            "no entry in {}",
+            rundir.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -270,7 +277,10 @@ fn a_host_with_another_secret_gets_no_address_and_the_same_secret_connects() {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !ns.listening(&ns.a, 18517) {
         holder.assert_running();
-        assert!(Instant::now() < deadline, "A's lookup service never listened");
+        assert!(
+            Instant::now() < deadline,
+            "A's lookup service never listened"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let connect = |secret: &str| {
@@ -370,7 +380,11 @@ fn a_process_on_this_host_with_another_secret_is_told_so() {
     let mut holder = Guarded::spawn(with(&["open", "hold"], "alpha"), "holder");
     let lid = wait_for_entry(&rundir, &mut holder);
     let lid_arg = format!("{lid:#x}");
-    let other = run(with(&["connect", &lid_arg], "other"), "connect", Duration::from_secs(30));
+    let other = run(
+        with(&["connect", &lid_arg], "other"),
+        "connect",
+        Duration::from_secs(30),
+    );
     assert_eq!(
         stdout(&other),
         format!("rtr failed: errno {}\n", libc::EINVAL),
@@ -385,6 +399,10 @@ fn a_process_on_this_host_with_another_secret_is_told_so() {
         "{}",
         text(&other)
     );
-    let same = run(with(&["connect", &lid_arg], "alpha"), "connect", Duration::from_secs(30));
+    let same = run(
+        with(&["connect", &lid_arg], "alpha"),
+        "connect",
+        Duration::from_secs(30),
+    );
     assert_eq!(stdout(&same), "rtr ok\n", "{}", text(&same));
 }

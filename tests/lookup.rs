@@ -434,11 +434,21 @@ fn garbage_and_forged_answers_fail_the_connect_cleanly_and_a_real_peer_still_con
             signed(format!("UGDR/3 OK 0202 {good_address}")),
             refused,
         ),
-        ("a megabyte without a newline", Answer::Raw(vec![b'7'; 1 << 20]), refused),
-        ("binary", Answer::Raw(b"\x00\xff\x01UGDR\n".to_vec()), refused),
+        (
+            "a megabyte without a newline",
+            Answer::Raw(vec![b'7'; 1 << 20]),
+            refused,
+        ),
+        (
+            "binary",
+            Answer::Raw(b"\x00\xff\x01UGDR\n".to_vec()),
+            refused,
+        ),
         (
             "a good address without a MAC",
-            Answer::Raw(format!("UGDR/3 OK 0101 {good_address} {}\n", "00".repeat(32)).into_bytes()),
+            Answer::Raw(
+                format!("UGDR/3 OK 0101 {good_address} {}\n", "00".repeat(32)).into_bytes(),
+            ),
             forged,
         ),
         (
@@ -465,7 +475,10 @@ fn garbage_and_forged_answers_fail_the_connect_cleanly_and_a_real_peer_still_con
         );
         let peer = std::thread::spawn(move || fake_peer(&o, &l, &a));
         let out = client.wait(Instant::now() + Duration::from_secs(30));
-        let question = peer.join().unwrap().unwrap_or_else(|e| panic!("{what}: {e}"));
+        let question = peer
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         let fields: Vec<&str> = question.trim_end_matches('\n').split(' ').collect();
         assert!(
             fields.len() == 5
@@ -688,7 +701,10 @@ fn a_question_without_the_secret_gets_no_worker_address() {
     let strangers = [
         (format!("UGDR/3 LOOKUP {lid:04x}\n"), "no nonce, no MAC"),
         (format!("UGDR/3 LOOKUP {lid:04x} {NONCE}\n"), "no MAC"),
-        (question("another user's secret", lid, NONCE), "another secret"),
+        (
+            question("another user's secret", lid, NONCE),
+            "another secret",
+        ),
         (
             good.replace(NONCE, "ff0102030405060708090a0b0c0d0e0f"),
             "a MAC for another nonce",
@@ -725,8 +741,7 @@ fn a_question_without_the_secret_gets_no_worker_address() {
 /// `lookup_helper open` under ugdr, with the secret in `$XDG_CONFIG_HOME/ugdr/secret`.
 fn open_with_config_home(scratch: &Scratch, config: &Path) -> Output {
     let mut cmd = under_ugdr(&["open"], free_port(), &scratch.0.join("run"));
-    cmd.env_remove("UGDR_SECRET")
-        .env("XDG_CONFIG_HOME", config);
+    cmd.env_remove("UGDR_SECRET").env("XDG_CONFIG_HOME", config);
     run(cmd, "lookup_helper open", Duration::from_secs(30))
 }
 
@@ -753,7 +768,12 @@ fn a_missing_secret_file_is_created_private_and_an_unsafe_one_refused() {
 
     let refused = |why: &str| {
         let out = open_with_config_home(&scratch, &config);
-        assert_eq!(stdout(&out), "open failed: errno 13\n", "{why}\n{}", text(&out));
+        assert_eq!(
+            stdout(&out),
+            "open failed: errno 13\n",
+            "{why}\n{}",
+            text(&out)
+        );
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
             err.contains("ERROR")
@@ -764,9 +784,8 @@ fn a_missing_secret_file_is_created_private_and_an_unsafe_one_refused() {
             text(&out)
         );
     };
-    let chmod = |p: &Path, m: u32| {
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
-    };
+    let chmod =
+        |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
     chmod(&file, 0o644);
     refused("mode 0644");
     chmod(&file, 0o600);

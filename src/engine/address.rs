@@ -20,8 +20,8 @@
 mod directory;
 pub mod lookup;
 
-pub use directory::{Directory, DirectoryError, LidClaim, Published, pid_alive};
 pub(in crate::engine) use directory::write_private;
+pub use directory::{Directory, DirectoryError, LidClaim, Published, pid_alive};
 pub use lookup::{LookupError, bind_query_listener, query_port, serve_queries};
 
 use super::auth::{self, Secret};

@@ -44,6 +44,8 @@ pub const HELLO_LEN: usize = HELLO_MAGIC.len() + GID_LEN + NONCE_LEN + MAC_LEN;
 const HELLO_LABEL: &[u8] = b"ugdr hello 1";
 const TOKEN_LABEL: &[u8] = b"ugdr token 1";
 const ENTRY_LABEL: &[u8] = b"ugdr entry 1";
+/// How many recently seen tokens skip the lock.
+const RECENT_SLOTS: usize = 16;
 
 /// What opens a new endpoint: the hello to send first, and the token to append to every
 /// message after it (and to the hello itself).
@@ -60,6 +62,9 @@ pub struct Gate {
     gid: [u8; GID_LEN],
     /// Tokens of the hellos this process verified (one per authenticated sending endpoint).
     admitted: Mutex<FxHashSet<u64>>,
+    /// Tokens recently found in `admitted`, each in the slot its low bits pick (0: none): a
+    /// message from a recently seen endpoint skips the lock.
+    recent: [AtomicU64; RECENT_SLOTS],
     dropped: AtomicU64,
     refused_hellos: AtomicU64,
 }
@@ -77,6 +82,7 @@ impl Gate {
             me: identity(worker_address),
             gid,
             admitted: Mutex::new(FxHashSet::default()),
+            recent: std::array::from_fn(|_| AtomicU64::new(0)),
             dropped: AtomicU64::new(0),
             refused_hellos: AtomicU64::new(0),
         }
@@ -94,7 +100,7 @@ impl Gate {
         locked: &LockedWorker<'_>,
         worker_address: &[u8],
         peer_failure_mode: bool,
-        on_error: Box<dyn Fn(&LockedWorker<'_>, ucp::Error) + Send + Sync>,
+        on_error: ucp::ErrorHandler,
     ) -> Result<Arc<Endpoint>, EngineError> {
         let intro = self.introduce(worker_address)?;
         let ep = Endpoint::connect(
@@ -130,7 +136,11 @@ impl Gate {
         magic.copy_from_slice(&HELLO_MAGIC);
         gid.copy_from_slice(&self.gid);
         n.copy_from_slice(&nonce);
-        mac.copy_from_slice(&self.secret.mac(&[HELLO_LABEL, &receiver, &self.gid, &nonce]));
+        mac.copy_from_slice(
+            &self
+                .secret
+                .mac(&[HELLO_LABEL, &receiver, &self.gid, &nonce]),
+        );
         Ok(Introduction {
             hello,
             token: self.token(&receiver, &self.gid, &nonce),
@@ -158,15 +168,25 @@ impl Gate {
             self.hello(body, token);
             return None;
         }
-        let known = {
-            let admitted = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
-            admitted.contains(&u64::from_le_bytes(token))
-        };
-        if body.len() == wire::HEADER_LEN && known {
+        if body.len() == wire::HEADER_LEN && self.known(u64::from_le_bytes(token)) {
             return Some(body);
         }
         self.drop_message(header.len(), "its endpoint has not authenticated");
         None
+    }
+
+    /// Whether a verified hello established `token`.
+    fn known(&self, token: u64) -> bool {
+        let slot = &self.recent[token as usize % RECENT_SLOTS];
+        if token != 0 && slot.load(Ordering::Relaxed) == token {
+            return true;
+        }
+        let admitted = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
+        let known = admitted.contains(&token);
+        if known {
+            slot.store(token, Ordering::Relaxed);
+        }
+        known
     }
 
     /// Checks a hello; a good one admits its token.
@@ -258,9 +278,17 @@ mod tests {
         let intro = sender.introduce(a).unwrap();
         let m = message(&intro.token);
         assert_eq!(receiver.admit(&m), None, "before the hello");
-        assert_eq!(receiver.admit(&hello(&intro)), None, "a hello is not a message");
+        assert_eq!(
+            receiver.admit(&hello(&intro)),
+            None,
+            "a hello is not a message"
+        );
         assert_eq!(receiver.admit(&m), Some(&m[..wire::HEADER_LEN]), "after it");
-        assert_eq!(receiver.admit(&m[..wire::HEADER_LEN]), None, "without a token");
+        assert_eq!(
+            receiver.admit(&m[..wire::HEADER_LEN]),
+            None,
+            "without a token"
+        );
         assert_eq!(receiver.admit(&message(&[0; 8])), None, "another token");
         assert_eq!(receiver.refused(), (3, 0));
 
@@ -279,7 +307,11 @@ mod tests {
         assert_eq!(receiver.admit(&forged), None);
         assert_eq!(receiver.admit(&hello(&intro)), None, "a replay");
         assert_eq!(receiver.refused().1, 3);
-        assert_eq!(receiver.admit(&m), Some(&m[..wire::HEADER_LEN]), "still admitted");
+        assert_eq!(
+            receiver.admit(&m),
+            Some(&m[..wire::HEADER_LEN]),
+            "still admitted"
+        );
     }
 
     #[test]

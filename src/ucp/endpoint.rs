@@ -19,7 +19,8 @@ pub enum SendPayload {
     Owned(Vec<u8>),
 }
 
-type ErrorHandler = Box<dyn Fn(&LockedWorker<'_>, Error) + Send + Sync>;
+/// What runs when an endpoint fails (under the worker lock, from progress).
+pub type ErrorHandler = Box<dyn Fn(&LockedWorker<'_>, Error) + Send + Sync>;
 
 struct EndpointShared {
     failed: AtomicBool,

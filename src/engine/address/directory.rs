@@ -542,7 +542,7 @@ mod tests {
             Entry::Live(published(me, vec![1, 0x20]).unwrap())
         );
         for bad in [
-            format!("ugdr2 {me} 0120 abcd"),      // no newline
+            format!("ugdr2 {me} 0120 abcd"),     // no newline
             format!("ugdr2 {me} 0120 abcd x\n"), // trailing field
             format!("ugdr2 {me} 0120\n"),        // no proof
             format!("ugdr2 {me} 0120 \n"),       // empty proof

@@ -288,9 +288,7 @@ fn answer(question: &[u8], dir: &Directory, secret: &Secret, peer: &str) -> Stri
         }
         _ => return format!("{VERSION} ERR malformed\n"),
     };
-    let nonce = nonce
-        .and_then(hex_decode)
-        .filter(|n| n.len() == NONCE_LEN);
+    let nonce = nonce.and_then(hex_decode).filter(|n| n.len() == NONCE_LEN);
     let mac = mac.and_then(hex_decode).filter(|m| m.len() == MAC_LEN);
     let proven = match (&nonce, &mac, fields.next()) {
         (Some(nonce), Some(mac), None) => {
@@ -535,7 +533,10 @@ mod tests {
     fn only_a_well_formed_answer_to_the_question_asked_gives_an_address() {
         let s = secret();
         let ok = |t: &str| signed(&s, t, &NONCE);
-        assert_eq!(parse(&ok("UGDR/3 OK 0203 0120ff")), Ok(vec![0x01, 0x20, 0xff]));
+        assert_eq!(
+            parse(&ok("UGDR/3 OK 0203 0120ff")),
+            Ok(vec![0x01, 0x20, 0xff])
+        );
         assert_eq!(parse(&ok("UGDR/3 NO 0203")), Err(LookupError::NoSuchPort));
         assert!(matches!(
             parse("UGDR/3 ERR version"),
@@ -561,7 +562,10 @@ mod tests {
             (ok("UGDR/3 OK 203 0120"), "a short lid"),
             (ok("UGDR/3 NO 0203 x"), "a trailing field after NO"),
             (ok("UGDR/3 MAYBE 0203"), "an unknown answer"),
-            (ok("UGDR/3 OK 0203 0f20"), "a UCX address format UCX aborts on"),
+            (
+                ok("UGDR/3 OK 0203 0f20"),
+                "a UCX address format UCX aborts on",
+            ),
             ("UGDR/3 OK 0203 0120".into(), "no MAC"),
             ("UGDR/3 OK 0203 0120 abcd".into(), "a short MAC"),
             ("".into(), "nothing"),
@@ -570,7 +574,10 @@ mod tests {
             let e = parse(line).expect_err(what);
             assert!(e.is_bad_answer(), "{what}: {e}");
         }
-        let long = ok(&format!("UGDR/3 OK 0203 {}", "01".repeat(MAX_WORKER_ADDRESS + 1)));
+        let long = ok(&format!(
+            "UGDR/3 OK 0203 {}",
+            "01".repeat(MAX_WORKER_ADDRESS + 1)
+        ));
         assert_eq!(
             parse(&long),
             Err(LookupError::BadAddress("worker address too long"))
@@ -598,7 +605,9 @@ mod tests {
                 "another address under the MAC",
             ),
             (
-                ok("UGDR/3 NO 0203").replace(" NO ", " OK ").replace("0203 ", "0203 0120ff "),
+                ok("UGDR/3 NO 0203")
+                    .replace(" NO ", " OK ")
+                    .replace("0203 ", "0203 0120ff "),
                 "NO turned into OK",
             ),
             (
@@ -608,10 +617,7 @@ mod tests {
         ];
         for (line, what) in &forged {
             let e = parse(line).expect_err(what);
-            assert!(
-                e == LookupError::Forged || e.is_bad_answer(),
-                "{what}: {e}"
-            );
+            assert!(e == LookupError::Forged || e.is_bad_answer(), "{what}: {e}");
         }
         assert_eq!(parse(&forged[0].0), Err(LookupError::Forged));
         assert_eq!(parse(&forged[1].0), Err(LookupError::Forged));

@@ -53,7 +53,9 @@ pub enum SecretError {
     },
     #[error("no home directory to keep the secret file in (HOME unset); set UGDR_SECRET")]
     NoHome,
-    #[error("{0} is empty; ugdr's peers authenticate with it (set UGDR_SECRET, or remove the file)")]
+    #[error(
+        "{0} is empty; ugdr's peers authenticate with it (set UGDR_SECRET, or remove the file)"
+    )]
     Empty(String),
 }
 
@@ -188,11 +190,11 @@ pub fn load_file(path: &Path) -> Result<Secret, SecretError> {
         )));
     }
     let mut key = Vec::new();
-    file.take(MAX_FILE + 1)
-        .read_to_end(&mut key)
-        .map_err(io)?;
+    file.take(MAX_FILE + 1).read_to_end(&mut key).map_err(io)?;
     if key.len() as u64 > MAX_FILE {
-        return Err(unsafe_because(format!("it is longer than {MAX_FILE} bytes")));
+        return Err(unsafe_because(format!(
+            "it is longer than {MAX_FILE} bytes"
+        )));
     }
     if key.trim_ascii().is_empty() {
         return Err(SecretError::Empty(path.display().to_string()));
@@ -209,7 +211,11 @@ enum Refusal {
 /// Creates `dir` (0700, its missing parents too) or checks that only its owner, this euid,
 /// can write to it.
 fn private_directory(dir: &Path) -> Result<(), Refusal> {
-    let created = match fs::DirBuilder::new().recursive(false).mode(0o700).create(dir) {
+    let created = match fs::DirBuilder::new()
+        .recursive(false)
+        .mode(0o700)
+        .create(dir)
+    {
         Ok(()) => true,
         Err(e) if e.kind() == ErrorKind::AlreadyExists => false,
         Err(e) if e.kind() == ErrorKind::NotFound => {
