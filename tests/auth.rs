@@ -263,6 +263,23 @@ fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// `lookup_helper connect` failed to move its QP to RTR with EINVAL, and warned with every
+/// one of `words`.
+fn assert_refused_with_a_warning(out: &Output, words: &[&str]) {
+    assert_eq!(
+        stdout(out),
+        format!("rtr failed: errno {}\n", libc::EINVAL),
+        "{}",
+        text(out)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("WARN") && words.iter().all(|w| err.contains(w)),
+        "a warning with {words:?}\n{}",
+        text(out)
+    );
+}
+
 #[test]
 fn a_host_with_another_secret_gets_no_address_and_the_same_secret_connects() {
     let ns = NetnsPair::new("sec");
@@ -298,21 +315,13 @@ fn a_host_with_another_secret_gets_no_address_and_the_same_secret_connects() {
             Duration::from_secs(30),
         )
     };
-    let other = connect("other");
-    assert_eq!(
-        stdout(&other),
-        format!("rtr failed: errno {}\n", libc::EINVAL),
-        "{}",
-        text(&other)
-    );
-    let err = String::from_utf8_lossy(&other.stderr);
-    assert!(
-        err.contains("WARN")
-            && err.contains(&format!("lid {lid:#06x} at {ADDR_A}"))
-            && err.contains("refused our question as unauthenticated")
-            && err.contains("UGDR_SECRET"),
-        "a clear error naming UGDR_SECRET\n{}",
-        text(&other)
+    assert_refused_with_a_warning(
+        &connect("other"),
+        &[
+            &format!("lid {lid:#06x} at {ADDR_A}"),
+            "refused our question as unauthenticated",
+            "UGDR_SECRET",
+        ],
     );
     let same = connect("alpha");
     assert_eq!(stdout(&same), "rtr ok\n", "{}", text(&same));
@@ -385,19 +394,12 @@ fn a_process_on_this_host_with_another_secret_is_told_so() {
         "connect",
         Duration::from_secs(30),
     );
-    assert_eq!(
-        stdout(&other),
-        format!("rtr failed: errno {}\n", libc::EINVAL),
-        "{}",
-        text(&other)
-    );
-    let err = String::from_utf8_lossy(&other.stderr);
-    assert!(
-        err.contains("WARN")
-            && err.contains("uses another ugdr secret than this one (UGDR_SECRET)")
-            && err.contains("give both the same UGDR_SECRET"),
-        "{}",
-        text(&other)
+    assert_refused_with_a_warning(
+        &other,
+        &[
+            "uses another ugdr secret than this one (UGDR_SECRET)",
+            "give both the same UGDR_SECRET",
+        ],
     );
     let same = run(
         with(&["connect", &lid_arg], "alpha"),

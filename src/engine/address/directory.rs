@@ -351,14 +351,8 @@ fn parse_entry(text: &str) -> Entry {
     let Some(line) = text.strip_suffix('\n') else {
         return Entry::Unusable;
     };
-    let mut fields = line.split(' ');
-    let (Some(ENTRY_MAGIC), Some(pid), Some(hex), Some(proof), None) = (
-        fields.next(),
-        fields.next(),
-        fields.next(),
-        fields.next(),
-        fields.next(),
-    ) else {
+    let fields: Vec<&str> = line.split(' ').collect();
+    let [ENTRY_MAGIC, pid, hex, proof] = fields.as_slice() else {
         return Entry::Unusable;
     };
     let Some(pid) = pid.parse::<i32>().ok().filter(|p| *p > 0) else {
