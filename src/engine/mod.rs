@@ -348,6 +348,11 @@ impl Engine {
         Engine::running().and_then(|e| e.memory.as_ref())
     }
 
+    /// Where the secret that peers must prove comes from (`UGDR_SECRET` or the file).
+    pub fn secret_origin(&self) -> &str {
+        self.gate.secret().origin()
+    }
+
     /// UCX's description of this process's worker: the transports it offers peers.
     pub fn transports(&self) -> String {
         self.worker.lock().info()
