@@ -11,6 +11,9 @@
 //!   is held: UCX may run callbacks (which take those locks) inline in any call, e.g. its
 //!   `self` transport delivers a send to a QP of this process before the send returns. Queue
 //!   pairs queue their UCX work and start it after unlocking (their outbox).
+//! * Only peers that prove the user's secret get this process's address or are heard
+//!   ([`auth`]): `dispatch` passes every message through the gate first, and every endpoint
+//!   the engine creates opens with a hello.
 //! * The progress thread sleeps on the worker's event fd, so completions reach CQs and
 //!   completion channels, and peers' messages are answered, while the application does not
 //!   call into ugdr at all. `ibv_poll_cq` also progresses (if the lock is free), for latency.
