@@ -37,6 +37,11 @@ pub fn describe(engine: &Engine) -> String {
             let _ = writeln!(out, "lid queries:   unavailable ({e})");
         }
     }
+    let _ = writeln!(
+        out,
+        "peers:         must prove the secret in {} (the same on every host)",
+        engine.secret_origin()
+    );
     let direct = if !crate::engine::direct::enabled() {
         "off (UGDR_DIRECT=off): RDMA WRITE/READ on this host go through messages".to_string()
     } else {

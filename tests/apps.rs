@@ -288,11 +288,19 @@ fn ugdr_info_shows_the_port() {
         text(&out)
     );
     assert!(s.contains("direct path:   on:"), "{}", text(&out));
+    assert!(
+        s.contains("peers:         must prove the secret in /") && s.contains("ugdr/secret"),
+        "{}",
+        text(&out)
+    );
     let mut off = std::process::Command::new(ugdr_bin());
-    off.arg("info").env("UGDR_DIRECT", "off");
+    off.arg("info")
+        .env("UGDR_DIRECT", "off")
+        .env("UGDR_SECRET", "s");
     let out = run(off, "ugdr info (direct off)", Duration::from_secs(30));
     assert!(
-        stdout(&out).contains("direct path:   off (UGDR_DIRECT=off)"),
+        stdout(&out).contains("direct path:   off (UGDR_DIRECT=off)")
+            && stdout(&out).contains("must prove the secret in UGDR_SECRET"),
         "{}",
         text(&out)
     );

@@ -1,11 +1,14 @@
 //! Trust and robustness of how ugdr finds a port: the LID lookup service (`UGDR_PORT`) under
-//! slow, endless and many clients; the client against peers that answer garbage; the
-//! per-host directory (`UGDR_RUNDIR`) against unsafe directories and stale entries; and the
-//! lookup port against another user's sockets. Real processes under ugdr, real sockets.
+//! slow, endless and many clients, and against questions that do not prove the user's
+//! secret; the client against peers that answer garbage or forge answers; the per-host
+//! directory (`UGDR_RUNDIR`) against unsafe directories and stale entries; the secret file
+//! against unsafe modes and owners; and the lookup port against another user's sockets. Real
+//! processes under ugdr, real sockets.
 
 mod harness;
 
 use harness::*;
+use hmac::{Hmac, Mac};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -19,6 +22,38 @@ use std::time::{Duration, Instant};
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_CONNECTIONS: usize = 64;
 const NOBODY: u32 = 65534;
+
+/// The secret of the processes these tests start (`UGDR_SECRET`).
+const SECRET: &str = "the lookup tests' secret";
+/// The nonce of the questions these tests ask (a service keeps none: any nonce will do).
+const NONCE: &str = "000102030405060708090a0b0c0d0e0f";
+
+/// Lowercase hex.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The MAC of the lookup protocol (src/engine/address/lookup.rs): HMAC-SHA-256 with the
+/// secret over `parts`, each prefixed with its length (32 bits, little endian), in hex.
+fn mac(key: &str, parts: &[&str]) -> String {
+    let mut m = Hmac::<sha2::Sha256>::new_from_slice(key.as_bytes()).unwrap();
+    for p in parts {
+        m.update(&(p.len() as u32).to_le_bytes());
+        m.update(p.as_bytes());
+    }
+    hex(&m.finalize().into_bytes())
+}
+
+/// `UGDR/3 LOOKUP <lid> <nonce> <mac>\n` made with `key`.
+fn question(key: &str, lid: u16, nonce: &str) -> String {
+    let text = format!("UGDR/3 LOOKUP {lid:04x} {nonce}");
+    format!("{text} {}\n", mac(key, &[&text]))
+}
+
+/// The answer `text` with the MAC that makes it the answer to the question with `nonce`.
+fn signed(key: &str, text: &str, nonce: &str) -> String {
+    format!("{text} {}\n", mac(key, &[text, nonce]))
+}
 
 /// tests/c/lookup_helper.c, built once.
 fn helper() -> &'static Path {
@@ -72,6 +107,7 @@ fn under_ugdr(args: &[&str], port: u16, rundir: &Path) -> Command {
         .env("LD_PRELOAD", lib_path())
         .env("UGDR_PORT", port.to_string())
         .env("UGDR_RUNDIR", rundir)
+        .env("UGDR_SECRET", SECRET)
         .env("UGDR_LOG", "warn");
     c
 }
@@ -83,7 +119,7 @@ fn stdout(o: &Output) -> String {
 /// A process under ugdr holding the device open: its port's LID, pid and worker address (as
 /// its directory entry says), and its lookup service listening.
 struct Holder {
-    _process: Guarded,
+    process: Guarded,
     lid: u16,
     pid: i32,
     address_hex: String,
@@ -91,7 +127,14 @@ struct Holder {
 
 impl Holder {
     fn start(port: u16, rundir: &Path) -> Holder {
-        let mut process = Guarded::spawn(under_ugdr(&["open", "hold"], port, rundir), "holder");
+        Holder::start_logging(port, rundir, "warn")
+    }
+
+    /// With `UGDR_LOG=log`.
+    fn start_logging(port: u16, rundir: &Path, log: &str) -> Holder {
+        let mut cmd = under_ugdr(&["open", "hold"], port, rundir);
+        cmd.env("UGDR_LOG", log);
+        let mut process = Guarded::spawn(cmd, "holder");
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             process.assert_running();
@@ -105,9 +148,9 @@ impl Holder {
                 let name = entry.file_name().to_string_lossy().into_owned();
                 let text = std::fs::read_to_string(entry.path()).unwrap();
                 let fields: Vec<&str> = text.trim_end().split(' ').collect();
-                assert_eq!(fields.len(), 3, "entry {text:?}");
+                assert_eq!(fields.len(), 4, "entry {text:?}");
                 return Holder {
-                    _process: process,
+                    process,
                     lid: u16::from_str_radix(&name[4..], 16).unwrap(),
                     pid: fields[1].parse().unwrap(),
                     address_hex: fields[2].to_string(),
@@ -119,6 +162,19 @@ impl Holder {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The answer to a question for its LID with [`NONCE`].
+    fn answer(&self) -> String {
+        let text = format!("UGDR/3 OK {:04x} {}", self.lid, self.address_hex);
+        signed(SECRET, &text, NONCE)
+    }
+
+    /// Stops it; what it wrote.
+    fn stop(self) -> Output {
+        self.process
+            .wait_until(Instant::now())
+            .unwrap_or_else(|o| o)
     }
 }
 
@@ -137,13 +193,19 @@ fn open_fds(pid: i32) -> usize {
         .count()
 }
 
-/// Asks the lookup service at `addr` for `lid`; the answer and how long it took.
+/// Asks the lookup service at `addr` for `lid` as a peer with the secret does; the answer
+/// and how long it took.
 fn ask(addr: SocketAddr, lid: u16) -> (String, Duration) {
+    ask_with(addr, &question(SECRET, lid, NONCE))
+}
+
+/// Sends `question` to the lookup service at `addr`; the answer and how long it took.
+fn ask_with(addr: SocketAddr, question: &str) -> (String, Duration) {
     let t = Instant::now();
     let mut out = String::new();
     if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
         let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-        let _ = s.write_all(format!("UGDR/2 LOOKUP {lid:04x}\n").as_bytes());
+        let _ = s.write_all(question.as_bytes());
         let _ = s.read_to_string(&mut out);
     }
     (out, t.elapsed())
@@ -155,7 +217,7 @@ fn slow_endless_and_many_clients_do_not_hold_up_lookups() {
     let port = free_port();
     let holder = Holder::start(port, &scratch.0);
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let expected = format!("UGDR/2 OK {:04x} {}\n", holder.lid, holder.address_hex);
+    let expected = holder.answer();
     assert_eq!(ask(addr, holder.lid).0, expected, "the service answers");
     let (hwm0, fds0) = (status_kb(holder.pid, "VmHWM"), open_fds(holder.pid));
 
@@ -198,7 +260,7 @@ fn slow_endless_and_many_clients_do_not_hold_up_lookups() {
         let mut s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
         let t = Instant::now();
-        for b in b"UGDR/2 LOOKUP 0101\n" {
+        for b in question(SECRET, 0x0101, NONCE).as_bytes() {
             if s.write_all(&[*b]).is_err() {
                 return Some(t.elapsed());
             }
@@ -285,10 +347,19 @@ fn accept_within(l: &TcpListener, deadline: Instant) -> Result<TcpStream, String
     }
 }
 
+/// What a fake lookup service answers.
+#[derive(Clone)]
+enum Answer {
+    /// These bytes, whatever the question.
+    Raw(Vec<u8>),
+    /// This answer text with a MAC made with `key` for the question's nonce.
+    Signed { text: String, key: &'static str },
+}
+
 /// What the fake peer in namespace A does for one client run: stands in for an
 /// ibv_rc_pingpong server (hands out LID 0x0101, which names A from B), then answers the
-/// client's lookup with `garbage`. Returns the question the client asked.
-fn fake_peer(oob: &TcpListener, lookup: &TcpListener, garbage: &[u8]) -> Result<String, String> {
+/// client's lookup with `answer`. Returns the question the client asked.
+fn fake_peer(oob: &TcpListener, lookup: &TcpListener, answer: &Answer) -> Result<String, String> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut pp = accept_within(oob, deadline)?;
     pp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -305,17 +376,25 @@ fn fake_peer(oob: &TcpListener, lookup: &TcpListener, garbage: &[u8]) -> Result<
     pp.write_all(mine.as_bytes()).map_err(|e| e.to_string())?;
     let mut q = accept_within(lookup, deadline)?;
     q.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut question = [0u8; 64];
+    let mut question = [0u8; 256];
     let n = q.read(&mut question).unwrap_or(0);
-    let _ = q.write_all(garbage);
+    let question = String::from_utf8_lossy(&question[..n]).into_owned();
+    let bytes = match answer {
+        Answer::Raw(b) => b.clone(),
+        Answer::Signed { text, key } => {
+            let nonce = question.split(' ').nth(3).unwrap_or_default();
+            signed(key, text, nonce).into_bytes()
+        }
+    };
+    let _ = q.write_all(&bytes);
     // Wait for the client to hang up the pingpong connection (it has sent "done" by then).
     let mut rest = Vec::new();
     let _ = pp.read_to_end(&mut rest);
-    Ok(String::from_utf8_lossy(&question[..n]).into_owned())
+    Ok(question)
 }
 
 #[test]
-fn garbage_answers_fail_the_connect_cleanly_and_a_real_peer_still_connects() {
+fn garbage_and_forged_answers_fail_the_connect_cleanly_and_a_real_peer_still_connects() {
     let ns = NetnsPair::new("lkg");
     let oob_port = free_port();
     let (oob, lookup) = in_namespace(&ns.a, move || {
@@ -325,30 +404,69 @@ fn garbage_answers_fail_the_connect_cleanly_and_a_real_peer_still_connects() {
         )
     });
     let ucx_v15 = format!("0f{}", "20".repeat(200)); // an address format UCX aborts on
-    let garbage: Vec<(&str, Vec<u8>)> = vec![
+    let good_address = format!("01{}", "20".repeat(100)); // passes every check but the MAC
+    let signed = |text: String| Answer::Signed { text, key: SECRET };
+    let refused = "answered what ugdr refuses";
+    let forged = "does not prove this user's secret";
+    let cases: Vec<(&str, Answer, &str)> = vec![
         (
             "the protocol before version 2, with an address UCX asserts on",
-            format!("OK {ucx_v15}\n").into_bytes(),
+            Answer::Raw(format!("OK {ucx_v15}\n").into_bytes()),
+            refused,
         ),
         (
             "version 2, with an address UCX asserts on",
-            format!("UGDR/2 OK 0101 {ucx_v15}\n").into_bytes(),
+            Answer::Raw(format!("UGDR/2 OK 0101 {ucx_v15}\n").into_bytes()),
+            refused,
         ),
-        ("an empty address", b"UGDR/2 OK 0101 \n".to_vec()),
+        (
+            "authentic, with an address UCX asserts on",
+            signed(format!("UGDR/3 OK 0101 {ucx_v15}")),
+            refused,
+        ),
+        (
+            "authentic, with an empty address",
+            signed("UGDR/3 OK 0101 ".into()),
+            refused,
+        ),
         (
             "an answer about another LID",
-            format!("UGDR/2 OK 0202 01{}\n", "20".repeat(100)).into_bytes(),
+            signed(format!("UGDR/3 OK 0202 {good_address}")),
+            refused,
         ),
-        ("a megabyte without a newline", vec![b'7'; 1 << 20]),
-        ("binary", b"\x00\xff\x01UGDR\n".to_vec()),
+        (
+            "a megabyte without a newline",
+            Answer::Raw(vec![b'7'; 1 << 20]),
+            refused,
+        ),
+        (
+            "binary",
+            Answer::Raw(b"\x00\xff\x01UGDR\n".to_vec()),
+            refused,
+        ),
+        (
+            "a good address without a MAC",
+            Answer::Raw(
+                format!("UGDR/3 OK 0101 {good_address} {}\n", "00".repeat(32)).into_bytes(),
+            ),
+            forged,
+        ),
+        (
+            "a good address under another user's secret",
+            Answer::Signed {
+                text: format!("UGDR/3 OK 0101 {good_address}"),
+                key: "another user's secret",
+            },
+            forged,
+        ),
     ];
-    for (what, answer) in &garbage {
+    for (what, answer, complaint) in &cases {
         let mut client = ns.command(
             &ns.b,
             "ibv_rc_pingpong",
             &["-p", &oob_port.to_string(), ADDR_A],
         );
-        client.env("UGDR_LOG", "warn");
+        client.env("UGDR_LOG", "warn").env("UGDR_SECRET", SECRET);
         let client = Guarded::spawn(client, "ibv_rc_pingpong client");
         let (o, l, a) = (
             oob.try_clone().unwrap(),
@@ -357,11 +475,16 @@ fn garbage_answers_fail_the_connect_cleanly_and_a_real_peer_still_connects() {
         );
         let peer = std::thread::spawn(move || fake_peer(&o, &l, &a));
         let out = client.wait(Instant::now() + Duration::from_secs(30));
-        let question = peer.join().unwrap();
-        assert_eq!(
-            question.as_deref(),
-            Ok("UGDR/2 LOOKUP 0101\n"),
-            "{what}: the client's question\n{}",
+        let question = peer
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let fields: Vec<&str> = question.trim_end_matches('\n').split(' ').collect();
+        assert!(
+            fields.len() == 5
+                && question == self::question(SECRET, 0x0101, fields[3])
+                && fields[3].len() == 32,
+            "{what}: the client's question {question:?}\n{}",
             text(&out)
         );
         assert_eq!(
@@ -372,11 +495,13 @@ fn garbage_answers_fail_the_connect_cleanly_and_a_real_peer_still_connects() {
         );
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
-            err.contains("Failed to modify QP to RTR")
-                && err.contains("answered what ugdr refuses"),
-            "{what}\n{}",
+            err.contains("Failed to modify QP to RTR") && err.contains(complaint),
+            "{what}: expected {complaint:?}\n{}",
             text(&out)
         );
+        if *complaint == forged {
+            assert!(err.contains("UGDR_SECRET"), "{what}\n{}", text(&out));
+        }
     }
     drop((oob, lookup));
     // The same two hosts, now with ugdr on both sides.
@@ -475,7 +600,7 @@ fn stale_entries_are_swept_when_the_engine_starts() {
     let me = std::process::id();
     let write = |name: &str, pid: u32| {
         let p = rundir.join(name);
-        std::fs::write(&p, format!("ugdr1 {pid} 0120\n")).unwrap();
+        std::fs::write(&p, format!("ugdr2 {pid} 0120 abcd\n")).unwrap();
         p
     };
     let stale = [
@@ -534,7 +659,7 @@ fn another_user_cannot_join_the_lookup_port() {
     );
     assert_eq!(stdout(&same), "bind ok\n", "{}", text(&same));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let expected = format!("UGDR/2 OK {:04x} {}\n", holder.lid, holder.address_hex);
+    let expected = holder.answer();
     assert_eq!(ask(addr, holder.lid).0, expected);
 }
 
@@ -561,5 +686,117 @@ fn a_lookup_port_another_user_holds_is_reported_and_not_shared() {
         err.contains(&format!("UGDR_PORT {port} is held by a socket")),
         "{}",
         text(&out)
+    );
+}
+
+#[test]
+fn a_question_without_the_secret_gets_no_worker_address() {
+    let scratch = Scratch::new("unauthenticated");
+    let port = free_port();
+    let holder = Holder::start_logging(port, &scratch.0, "debug");
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let lid = holder.lid;
+    let good = question(SECRET, lid, NONCE);
+    let refused = "UGDR/3 ERR unauthenticated\n";
+    let strangers = [
+        (format!("UGDR/3 LOOKUP {lid:04x}\n"), "no nonce, no MAC"),
+        (format!("UGDR/3 LOOKUP {lid:04x} {NONCE}\n"), "no MAC"),
+        (
+            question("another user's secret", lid, NONCE),
+            "another secret",
+        ),
+        (
+            good.replace(NONCE, "ff0102030405060708090a0b0c0d0e0f"),
+            "a MAC for another nonce",
+        ),
+        (
+            good.replacen(&format!("{lid:04x}"), &format!("{:04x}", lid ^ 0x80), 1),
+            "another LID under this LID's MAC",
+        ),
+    ];
+    for (q, what) in &strangers {
+        assert_ne!(q, &good, "{what}");
+        assert_eq!(ask_with(addr, q).0, refused, "{what}: {q:?}");
+    }
+    // With the secret: the address, under a MAC for this nonce that another nonce does not
+    // verify.
+    let answer = ask(addr, lid).0;
+    assert_eq!(answer, holder.answer());
+    assert_ne!(
+        answer,
+        signed(
+            SECRET,
+            &format!("UGDR/3 OK {lid:04x} {}", holder.address_hex),
+            "ff0102030405060708090a0b0c0d0e0f"
+        )
+    );
+    let out = holder.stop();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        log.contains("refused unauthenticated question #5 from 127.0.0.1:"),
+        "each refusal is counted and logged at debug\n{log}"
+    );
+}
+
+/// `lookup_helper open` under ugdr, with the secret in `$XDG_CONFIG_HOME/ugdr/secret`.
+fn open_with_config_home(scratch: &Scratch, config: &Path) -> Output {
+    let mut cmd = under_ugdr(&["open"], free_port(), &scratch.0.join("run"));
+    cmd.env_remove("UGDR_SECRET").env("XDG_CONFIG_HOME", config);
+    run(cmd, "lookup_helper open", Duration::from_secs(30))
+}
+
+#[test]
+fn a_missing_secret_file_is_created_private_and_an_unsafe_one_refused() {
+    let scratch = Scratch::new("secret");
+    let config = scratch.0.join("config");
+    let file = config.join("ugdr/secret");
+    let first = open_with_config_home(&scratch, &config);
+    assert_success(&first, "lookup_helper open without a secret file");
+    let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o7777;
+    assert_eq!(mode(file.parent().unwrap()), 0o700, "the directory");
+    assert_eq!(mode(&file), 0o600, "the file");
+    let secret = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        secret.len() == 65 && secret.trim_end().bytes().all(|b| b.is_ascii_hexdigit()),
+        "32 random bytes in hex: {secret:?}"
+    );
+    assert_success(
+        &open_with_config_home(&scratch, &config),
+        "lookup_helper open with the file",
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), secret, "kept");
+
+    let refused = |why: &str| {
+        let out = open_with_config_home(&scratch, &config);
+        assert_eq!(
+            stdout(&out),
+            "open failed: errno 13\n",
+            "{why}\n{}",
+            text(&out)
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("ERROR")
+                && err.contains(&format!("secret file {}", file.display()))
+                && err.contains("UGDR_SECRET")
+                && err.contains(why),
+            "the error names the file, UGDR_SECRET and {why:?}\n{}",
+            text(&out)
+        );
+    };
+    let chmod =
+        |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+    chmod(&file, 0o644);
+    refused("mode 0644");
+    chmod(&file, 0o600);
+    std::os::unix::fs::chown(&file, Some(NOBODY), Some(NOBODY)).unwrap();
+    refused(&format!("belongs to uid {NOBODY}"));
+    std::os::unix::fs::chown(&file, Some(0), Some(0)).unwrap();
+    chmod(file.parent().unwrap(), 0o777);
+    refused("may write to its directory");
+    chmod(file.parent().unwrap(), 0o700);
+    assert_success(
+        &open_with_config_home(&scratch, &config),
+        "lookup_helper open once the file is private again",
     );
 }

@@ -13,14 +13,18 @@
 //!   GID gives the peer's address directly; a bare LID names the host `subnet | host_tag` on
 //!   one of the local IPv4 subnets.
 //! * Every worker address, from the directory or from a peer, passes
-//!   [`check_worker_address`] before it can reach UCX.
+//!   [`check_worker_address`] before it can reach UCX, and comes with a MAC made with the
+//!   user's secret (`engine::auth`) that was checked: a directory entry's proof, a lookup
+//!   answer's MAC.
 
 mod directory;
 pub mod lookup;
 
-pub use directory::{Directory, DirectoryError, LidClaim, pid_alive};
+pub(in crate::engine) use directory::write_private;
+pub use directory::{Directory, DirectoryError, LidClaim, Published, pid_alive};
 pub use lookup::{LookupError, bind_query_listener, query_port, serve_queries};
 
+use super::auth::{self, Secret};
 use std::net::Ipv4Addr;
 
 pub const DEFAULT_QUERY_PORT: u16 = 18517;
@@ -174,6 +178,11 @@ fn hex_decode(s: &str) -> Option<Vec<u8>> {
 pub enum ResolveError {
     #[error("lid {0:#06x}: no such port on this host")]
     NoSuchLocalLid(u16),
+    #[error(
+        "lid {lid:#06x}: its process (pid {pid}) on this host uses another ugdr secret than \
+         this one ({origin}); give both the same UGDR_SECRET (or neither)"
+    )]
+    LocalSecretDiffers { lid: u16, pid: i32, origin: String },
     #[error("gid does not name a ugdr port")]
     ForeignGid,
     #[error("lid {0:#06x}: no local subnet holds its host")]
@@ -195,10 +204,12 @@ pub struct Resolved {
     pub lid: u16,
 }
 
-/// Finds the UCX worker address of the port `lid` (or the one `gid` names).
+/// Finds the UCX worker address of the port `lid` (or the one `gid` names), proven with
+/// `secret`.
 pub fn resolve(
     net: &HostNetwork,
     dir: &Directory,
+    secret: &Secret,
     lid: u16,
     gid: Option<&[u8; 16]>,
 ) -> Result<Resolved, ResolveError> {
@@ -211,16 +222,25 @@ pub fn resolve(
         None => (net.candidates_for_tag((lid >> 8) as u8), lid),
     };
     if hosts.iter().any(|h| *h == net.ipv4 || h.is_loopback()) {
-        let (pid, worker_address) = dir.lookup(lid).ok_or(ResolveError::NoSuchLocalLid(lid))?;
+        let entry = dir.lookup(lid).ok_or(ResolveError::NoSuchLocalLid(lid))?;
+        if !auth::entry_proven(secret, entry.pid, &entry.worker_address, &entry.proof) {
+            let e = ResolveError::LocalSecretDiffers {
+                lid,
+                pid: entry.pid,
+                origin: secret.origin().to_string(),
+            };
+            tracing::warn!("{e}");
+            return Err(e);
+        }
         return Ok(Resolved {
-            worker_address,
-            local_pid: Some(pid),
+            worker_address: entry.worker_address,
+            local_pid: Some(entry.pid),
             lid,
         });
     }
     let mut last = ResolveError::NoRoute(lid);
     for host in hosts {
-        match lookup::query(host, lid) {
+        match lookup::query(secret, host, lid) {
             Ok(worker_address) => {
                 return Ok(Resolved {
                     worker_address,
@@ -231,6 +251,11 @@ pub fn resolve(
             Err(why) => {
                 if why.is_bad_answer() {
                     tracing::warn!("lid {lid:#06x}: {host} answered what ugdr refuses: {why}");
+                } else if why.is_auth_failure() {
+                    tracing::warn!(
+                        "lid {lid:#06x} at {host}: {why}; this process's secret is {}",
+                        secret.origin()
+                    );
                 }
                 last = ResolveError::Remote { lid, host, why };
             }

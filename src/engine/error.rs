@@ -9,6 +9,9 @@ pub enum EngineError {
     Os(i32),
     #[error("{message}")]
     Directory { errno: i32, message: String },
+    /// No usable secret to authenticate peers with (`engine::auth`).
+    #[error("{message}")]
+    Secret { errno: i32, message: String },
     #[error("destination port not found")]
     Unreachable,
     #[error("the engine is shutting down")]
@@ -21,9 +24,18 @@ impl EngineError {
         match self {
             EngineError::Transport(t) => t.errno(),
             EngineError::Os(e) => *e,
-            EngineError::Directory { errno, .. } => *errno,
+            EngineError::Directory { errno, .. } | EngineError::Secret { errno, .. } => *errno,
             EngineError::Unreachable => libc::EINVAL,
             EngineError::Stopped => libc::ENODEV,
+        }
+    }
+}
+
+impl From<super::auth::SecretError> for EngineError {
+    fn from(e: super::auth::SecretError) -> Self {
+        EngineError::Secret {
+            errno: e.errno(),
+            message: e.to_string(),
         }
     }
 }

@@ -11,6 +11,9 @@
 //!   is held: UCX may run callbacks (which take those locks) inline in any call, e.g. its
 //!   `self` transport delivers a send to a QP of this process before the send returns. Queue
 //!   pairs queue their UCX work and start it after unlocking (their outbox).
+//! * Only peers that prove the user's secret get this process's address or are heard
+//!   ([`auth`]): `dispatch` passes every message through the gate first, and every endpoint
+//!   the engine creates opens with a hello.
 //! * The progress thread sleeps on the worker's event fd, so completions reach CQs and
 //!   completion channels, and peers' messages are answered, while the application does not
 //!   call into ugdr at all. `ibv_poll_cq` also progresses (if the lock is free), for latency.
@@ -18,6 +21,7 @@
 #![forbid(unsafe_code)]
 
 pub mod address;
+pub mod auth;
 pub mod direct;
 mod dispatch;
 mod error;
@@ -41,6 +45,8 @@ pub struct Engine {
     pub gid: [u8; 16],
     directory: Directory,
     claim: LidClaim,
+    /// Who may talk to this process (peers that know the user's secret).
+    gate: auth::Gate,
     /// Endpoints by remote worker address; a failed endpoint is replaced on next use.
     endpoints: Mutex<HashMap<Vec<u8>, PeerProcess>>,
     qps: DashMap<u32, Arc<dyn MessageReceiver>, FxBuildHasher>,
@@ -120,16 +126,19 @@ impl Engine {
         let address = worker.lock().address()?;
         let network = host_network().clone();
         let directory = Directory::open()?;
-        let claim = directory.claim(network.host_tag(), &address)?;
+        let secret = Arc::new(auth::Secret::load()?);
+        let proof = auth::entry_proof(&secret, std::process::id() as i32, &address);
+        let claim = directory.claim(network.host_tag(), &address, &proof)?;
         let lid = claim.lid;
         let gid = address::port_gid(network.ipv4, lid);
+        let gate = auth::Gate::new(Arc::clone(&secret), &address, gid);
         let query_service = match address::bind_query_listener() {
             Ok(listener) => {
                 let dir = Directory::open()?;
                 let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
                 std::thread::Builder::new()
                     .name("ugdr-lid-query".into())
-                    .spawn(move || address::serve_queries(listener, dir))
+                    .spawn(move || address::serve_queries(listener, dir, secret))
                     .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
                 Ok(port)
             }
@@ -169,6 +178,7 @@ impl Engine {
             gid,
             directory,
             claim,
+            gate,
             endpoints: Mutex::new(HashMap::new()),
             qps: DashMap::default(),
             next_qpn: Mutex::new(seed.max(0x100)),
@@ -258,7 +268,8 @@ impl Engine {
     /// Finds the worker address of the port named by `dlid` (or `dgid`). Blocking (it may
     /// ask another host): call without the worker lock.
     pub fn resolve(&self, dlid: u16, dgid: Option<&[u8; 16]>) -> Result<Resolved, EngineError> {
-        address::resolve(&self.network, &self.directory, dlid, dgid).map_err(|e| {
+        let secret = self.gate.secret();
+        address::resolve(&self.network, &self.directory, secret, dlid, dgid).map_err(|e| {
             tracing::debug!("resolve: {e}");
             EngineError::Unreachable
         })
@@ -283,7 +294,7 @@ impl Engine {
                 memory: p.memory.clone(),
             });
         }
-        let ep = Endpoint::connect(
+        let ep = self.gate.connect(
             locked,
             &remote.worker_address,
             remote.local_pid.is_none(),
@@ -338,6 +349,11 @@ impl Engine {
     /// This process's published memory, if the engine runs and the direct path is on.
     pub fn local_memory() -> Option<&'static direct::LocalMemory> {
         Engine::running().and_then(|e| e.memory.as_ref())
+    }
+
+    /// Where the secret that peers must prove comes from (`UGDR_SECRET` or the file).
+    pub fn secret_origin(&self) -> &str {
+        self.gate.secret().origin()
     }
 
     /// UCX's description of this process's worker: the transports it offers peers.
@@ -398,14 +414,18 @@ fn endpoint_failed(locked: &LockedWorker<'_>, err: ucp::Error) {
 
 /// The active-message handler: routes a message to its queue pair.
 fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) -> bool {
+    let Some(engine) = Engine::running() else {
+        return false;
+    };
+    // Only messages from endpoints that authenticated (engine/auth.rs) get further.
+    let Some(header) = engine.gate.admit(header) else {
+        return false;
+    };
     let Some(h) = wire::Header::decode(header) else {
         tracing::warn!(
             "dropping a message with an unknown header ({} bytes)",
             header.len()
         );
-        return false;
-    };
-    let Some(engine) = Engine::running() else {
         return false;
     };
     let Some(qp) = engine.receiver(h.dst_qpn) else {

@@ -52,7 +52,9 @@ impl From<crate::engine::EngineError> for VerbsError {
         match e {
             EngineError::Transport(t) => VerbsError::Transport(t),
             EngineError::Os(errno) => VerbsError::Os(errno),
-            EngineError::Directory { errno, .. } => VerbsError::Os(errno),
+            EngineError::Directory { errno, .. } | EngineError::Secret { errno, .. } => {
+                VerbsError::Os(errno)
+            }
             EngineError::Unreachable => VerbsError::Invalid("destination port not found"),
             EngineError::Stopped => VerbsError::NoDevice,
         }

@@ -19,7 +19,8 @@ pub enum SendPayload {
     Owned(Vec<u8>),
 }
 
-type ErrorHandler = Box<dyn Fn(&LockedWorker<'_>, Error) + Send + Sync>;
+/// What runs when an endpoint fails (under the worker lock, from progress).
+pub type ErrorHandler = Box<dyn Fn(&LockedWorker<'_>, Error) + Send + Sync>;
 
 struct EndpointShared {
     failed: AtomicBool,
@@ -29,6 +30,10 @@ struct EndpointShared {
 
 /// A UCP endpoint to one remote worker.
 ///
+/// Every active message sent on it carries the endpoint's *header trailer* (given at
+/// connect, possibly empty) after the header the caller passes: bytes the receiver's handler
+/// sees at the end of every header from this endpoint (the engine's authentication token).
+///
 /// Endpoints to other hosts use UCX's peer-failure mode, so a dead peer surfaces as an error.
 /// UCX 1.13 offers that mode only on transports with keepalive (TCP), so endpoints to this
 /// host skip it to get shared memory and CMA; the engine watches those peers' pids instead.
@@ -36,7 +41,11 @@ pub struct Endpoint {
     handle: NonNull<sys::ucp_ep>,
     shared: Box<EndpointShared>,
     worker: Arc<Worker>,
+    trailer: SmallVec<[u8; 16]>,
 }
+
+/// A header with the endpoint's trailer appended (what UCX sends as the AM header).
+type FullHeader = SmallVec<[u8; 64]>;
 
 // SAFETY: the endpoint is only used through LockedWorker (the worker lock serializes UCX).
 unsafe impl Send for Endpoint {}
@@ -48,7 +57,7 @@ pub type SendDone = Box<dyn FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send>
 
 struct SendRequest {
     worker: *const Worker,
-    header: SmallVec<[u8; 64]>,
+    header: FullHeader,
     iov: SmallVec<[sys::ucp_dt_iov_t; 4]>,
     _owned: Vec<u8>,
     /// The payload spans' regions, held until UCX is done with them.
@@ -65,12 +74,14 @@ pub enum SendState {
 
 impl Endpoint {
     /// Connects to the worker whose packed address is `remote`. `on_error` runs (under the
-    /// lock, from progress) if the connection fails later.
+    /// lock, from progress) if the connection fails later. Every message sent on the
+    /// endpoint carries `header_trailer` after its header.
     pub fn connect(
         locked: &LockedWorker<'_>,
         remote: &[u8],
         peer_failure_mode: bool,
         on_error: ErrorHandler,
+        header_trailer: &[u8],
     ) -> Result<Arc<Endpoint>, Error> {
         let worker = locked.worker();
         let shared = Box::new(EndpointShared {
@@ -112,6 +123,7 @@ impl Endpoint {
             handle,
             shared,
             worker: worker_arc,
+            trailer: SmallVec::from_slice(header_trailer),
         }))
     }
 
@@ -127,9 +139,9 @@ impl Endpoint {
         }
     }
 
-    /// Sends active message `id` with `header` and `payload`. The header is copied; payload
-    /// spans must stay valid until `done` runs. When the send finishes inside this call,
-    /// returns `SendState::Done` and does not call `done`.
+    /// Sends active message `id` with `header` (then the endpoint's trailer) and `payload`.
+    /// The header is copied; payload spans must stay valid until `done` runs. When the send
+    /// finishes inside this call, returns `SendState::Done` and does not call `done`.
     pub fn am_send<F>(
         &self,
         locked: &LockedWorker<'_>,
@@ -154,6 +166,8 @@ impl Endpoint {
             },
             other => (other, SmallVec::new()),
         };
+        let mut full = FullHeader::from_slice(header);
+        full.extend_from_slice(&self.trailer);
         let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match &payload {
             SendPayload::None => SmallVec::new(),
             SendPayload::Spans(spans) => spans
@@ -188,8 +202,8 @@ impl Endpoint {
             self.worker.api().ucp_am_send_nbx(
                 self.handle.as_ptr(),
                 id,
-                header.as_ptr() as *const c_void,
-                header.len(),
+                full.as_ptr() as *const c_void,
+                full.len(),
                 buf,
                 count,
                 &immediate,
@@ -204,7 +218,7 @@ impl Endpoint {
         // Slow path: keep header, iov and owned bytes in a request the callback frees.
         let mut req = Box::new(SendRequest {
             worker: Arc::as_ptr(&self.worker),
-            header: SmallVec::from_slice(header),
+            header: full,
             iov,
             _owned: match payload {
                 SendPayload::Owned(bytes) => bytes,

@@ -17,7 +17,7 @@ mod memory;
 mod status;
 mod worker;
 
-pub use endpoint::{Endpoint, SendDone, SendPayload, SendState};
+pub use endpoint::{Endpoint, ErrorHandler, SendDone, SendPayload, SendState};
 pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
     AppRegion, AppSpan, Hold, Loss, anything_registered, gather, hold_all, invalidate_range,

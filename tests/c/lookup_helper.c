@@ -9,6 +9,10 @@
  *       that wants to share ugdr's lookup port would; prints "bind ok" or
  *       "bind failed: errno N" and exits 0 or 1. With "hold" it keeps listening (and never
  *       accepts) until killed.
+ *   lookup_helper connect LID
+ *       opens the first verbs device and moves an RC QP to RTR towards port LID (QP number
+ *       0x100): ugdr resolves the LID then (the directory, or the LID's host's lookup
+ *       service). Prints "rtr ok" or "rtr failed: errno N" and exits 0 or 1.
  */
 #include <errno.h>
 #include <infiniband/verbs.h>
@@ -48,6 +52,45 @@ static int open_device(int hold)
 	return 0;
 }
 
+static int connect_lid(const char *lid)
+{
+	int n = 0;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	struct ibv_context *ctx = list && n > 0 ? ibv_open_device(list[0]) : NULL;
+	if (!ctx) {
+		printf("open failed: errno %d\n", errno);
+		return 1;
+	}
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	struct ibv_cq *cq = pd ? ibv_create_cq(ctx, 4, NULL, NULL, 0) : NULL;
+	struct ibv_qp_init_attr init = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 1, .max_recv_wr = 1, .max_send_sge = 1, .max_recv_sge = 1 } };
+	struct ibv_qp *qp = cq ? ibv_create_qp(pd, &init) : NULL;
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1 };
+	if (!qp || ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+				 IBV_QP_ACCESS_FLAGS)) {
+		printf("setup failed: errno %d\n", errno);
+		return 2;
+	}
+	memset(&a, 0, sizeof a);
+	a.qp_state = IBV_QPS_RTR;
+	a.path_mtu = IBV_MTU_1024;
+	a.dest_qp_num = 0x100;
+	a.max_dest_rd_atomic = 1;
+	a.min_rnr_timer = 12;
+	a.ah_attr.dlid = (uint16_t)strtoul(lid, NULL, 0);
+	a.ah_attr.port_num = 1;
+	int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+			       IBV_QP_DEST_QPN | IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+			       IBV_QP_MIN_RNR_TIMER);
+	if (rc) {
+		printf("rtr failed: errno %d\n", rc);
+		return 1;
+	}
+	printf("rtr ok\n");
+	return 0;
+}
+
 static int bind_port(const char *port, int hold)
 {
 	int one = 1;
@@ -78,8 +121,10 @@ int main(int argc, char **argv)
 {
 	if (argc >= 2 && !strcmp(argv[1], "open"))
 		return open_device(argc >= 3 && !strcmp(argv[2], "hold"));
+	if (argc == 3 && !strcmp(argv[1], "connect"))
+		return connect_lid(argv[2]);
 	if (argc >= 3 && !strcmp(argv[1], "bind"))
 		return bind_port(argv[2], argc >= 4 && !strcmp(argv[3], "hold"));
-	fprintf(stderr, "usage: lookup_helper open [hold] | bind PORT [hold]\n");
+	fprintf(stderr, "usage: lookup_helper open [hold] | bind PORT [hold] | connect LID\n");
 	return 2;
 }

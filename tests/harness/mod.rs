@@ -52,18 +52,27 @@ pub fn require(program: &str) -> String {
 }
 
 /// Compiles `tests/c/<name>.c` with `cc -std=gnu11 -O2 -Wall -Wextra -Werror` and `libs`
-/// into the test target's scratch directory; the executable's path.
+/// into the test target's scratch directory; the executable's path. The compiler writes a
+/// file of its own that is then renamed into place, so a test running the previous build
+/// (tests of one binary run in parallel) never meets a half-written file ("text file busy").
 pub fn build_c(name: &str, libs: &[&str]) -> PathBuf {
+    static BUILDS: AtomicU16 = AtomicU16::new(0);
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let exe = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        ".{name}-{}-{}",
+        std::process::id(),
+        BUILDS.fetch_add(1, Ordering::Relaxed)
+    ));
     let cc = Command::new(require("cc"))
         .args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&exe)
+        .arg(&scratch)
         .arg(&src)
         .args(libs)
         .output()
         .expect("cc");
     assert_success(&cc, &format!("cc {}", src.display()));
+    std::fs::rename(&scratch, &exe).expect("rename the built program into place");
     exe
 }
 

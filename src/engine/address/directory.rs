@@ -1,5 +1,6 @@
 //! The per-host directory (`UGDR_RUNDIR`, default `/dev/shm/ugdr-<euid>`): one file
-//! `lid-XXXX` per port on this host, `ugdr1 <pid> <worker address in hex>\n`, written by the
+//! `lid-XXXX` per port on this host, `ugdr2 <pid> <worker address> <proof>\n` (both in hex;
+//! the proof is a MAC with the user's secret, `engine::auth`, which readers check), written by the
 //! port's process and read by every ugdr process of the same user on the host (and by their
 //! lookup services, which answer peers on other hosts from it).
 //!
@@ -23,9 +24,12 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-const ENTRY_MAGIC: &str = "ugdr1";
-/// The longest entry file: magic, pid, the longest worker address, separators.
-const MAX_ENTRY: usize = ENTRY_MAGIC.len() + 1 + 10 + 1 + 2 * MAX_WORKER_ADDRESS + 1;
+const ENTRY_MAGIC: &str = "ugdr2";
+/// The longest proof an entry carries.
+pub const MAX_PROOF: usize = 64;
+/// The longest entry file: magic, pid, the longest worker address and proof, separators.
+const MAX_ENTRY: usize =
+    ENTRY_MAGIC.len() + 1 + 10 + 1 + 2 * MAX_WORKER_ADDRESS + 1 + 2 * MAX_PROOF + 1;
 const LOCK_FILE: &str = ".lock";
 const CLAIM_PREFIX: &str = ".claim-";
 const LID_PREFIX: &str = "lid-";
@@ -85,10 +89,19 @@ pub struct LidClaim {
     path: PathBuf,
 }
 
+/// What a live port's entry says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    pub pid: i32,
+    pub worker_address: Vec<u8>,
+    /// What its owner proves the entry with (opaque here, 1..=[`MAX_PROOF`] bytes).
+    pub proof: Vec<u8>,
+}
+
 /// What a `lid-XXXX` file says.
 #[derive(Debug, PartialEq, Eq)]
 enum Entry {
-    Live(i32, Vec<u8>),
+    Live(Published),
     /// Its process no longer exists.
     Dead,
     /// Absent, or not an entry this process can trust (foreign owner, not a regular file,
@@ -180,9 +193,15 @@ impl Directory {
         self.dir.join(format!("{LID_PREFIX}{lid:04x}"))
     }
 
-    /// Claims a free LID on this host and publishes `worker_address` under it; first sweeps
-    /// the entries of processes that no longer exist.
-    pub fn claim(&self, host_tag: u8, worker_address: &[u8]) -> Result<LidClaim, DirectoryError> {
+    /// Claims a free LID on this host and publishes `worker_address` and `proof` (made for
+    /// this process's pid) under it; first sweeps the entries of processes that no longer
+    /// exist.
+    pub fn claim(
+        &self,
+        host_tag: u8,
+        worker_address: &[u8],
+        proof: &[u8],
+    ) -> Result<LidClaim, DirectoryError> {
         let lock = OpenOptions::new()
             .read(true)
             .write(true)
@@ -197,7 +216,11 @@ impl Directory {
         let pid = std::process::id();
         let tmp = self.dir.join(format!("{CLAIM_PREFIX}{pid}"));
         let _ = fs::remove_file(&tmp); // left by an earlier claim of this process
-        let content = format!("{ENTRY_MAGIC} {pid} {}\n", hex_encode(worker_address));
+        let content = format!(
+            "{ENTRY_MAGIC} {pid} {} {}\n",
+            hex_encode(worker_address),
+            hex_encode(proof)
+        );
         let result = write_private(&tmp, content.as_bytes())
             .map_err(|e| self.io_error(e))
             .and_then(|()| self.link_free_slot(&tmp, host_tag, pid));
@@ -254,11 +277,10 @@ impl Directory {
         }
     }
 
-    /// The owner's pid and worker address published under `lid`, if the owner is alive and
-    /// the entry is sound.
-    pub fn lookup(&self, lid: u16) -> Option<(i32, Vec<u8>)> {
+    /// What the owner of `lid` published, if it is alive and the entry is sound.
+    pub fn lookup(&self, lid: u16) -> Option<Published> {
         match read_entry(&self.lid_path(lid)) {
-            Entry::Live(pid, address) => Some((pid, address)),
+            Entry::Live(published) => Some(published),
             Entry::Dead | Entry::Unusable => None,
         }
     }
@@ -291,7 +313,7 @@ fn check_parent(dir: &Path) -> Result<(), String> {
 
 /// Creates `path` (which must not exist, and is never followed if it is a link) with mode
 /// 0600 and writes `content`.
-fn write_private(path: &Path, content: &[u8]) -> std::io::Result<()> {
+pub(in crate::engine) fn write_private(path: &Path, content: &[u8]) -> std::io::Result<()> {
     let mut f = OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -329,10 +351,8 @@ fn parse_entry(text: &str) -> Entry {
     let Some(line) = text.strip_suffix('\n') else {
         return Entry::Unusable;
     };
-    let mut fields = line.split(' ');
-    let (Some(ENTRY_MAGIC), Some(pid), Some(hex), None) =
-        (fields.next(), fields.next(), fields.next(), fields.next())
-    else {
+    let fields: Vec<&str> = line.split(' ').collect();
+    let [ENTRY_MAGIC, pid, hex, proof] = fields.as_slice() else {
         return Entry::Unusable;
     };
     let Some(pid) = pid.parse::<i32>().ok().filter(|p| *p > 0) else {
@@ -341,9 +361,15 @@ fn parse_entry(text: &str) -> Entry {
     if !pid_alive(pid) {
         return Entry::Dead;
     }
-    match hex_decode(hex).filter(|a| check_worker_address(a).is_ok()) {
-        Some(address) => Entry::Live(pid, address),
-        None => Entry::Unusable,
+    let address = hex_decode(hex).filter(|a| check_worker_address(a).is_ok());
+    let proof = hex_decode(proof).filter(|p| !p.is_empty() && p.len() <= MAX_PROOF);
+    match (address, proof) {
+        (Some(worker_address), Some(proof)) => Entry::Live(Published {
+            pid,
+            worker_address,
+            proof,
+        }),
+        _ => Entry::Unusable,
     }
 }
 
@@ -363,6 +389,16 @@ mod tests {
     /// A UCX-like worker address (format version 1 in the low nibble of the first byte).
     fn worker(tag: u8) -> Vec<u8> {
         vec![0x01, 0x20, tag, tag, tag]
+    }
+
+    const PROOF: [u8; 2] = [0xab, 0xcd];
+
+    fn published(pid: u32, worker_address: Vec<u8>) -> Option<Published> {
+        Some(Published {
+            pid: pid as i32,
+            worker_address,
+            proof: PROOF.to_vec(),
+        })
     }
 
     /// A fresh directory under the system temp dir, removed on drop.
@@ -392,16 +428,16 @@ mod tests {
     fn directory_claims_unique_lids_and_reclaims_dead_owners() {
         let s = Scratch::new("claims");
         let d = Directory::open_at(s.0.clone()).unwrap();
-        let a = d.claim(7, &worker(0xa)).unwrap();
-        let b = d.claim(7, &worker(0xb)).unwrap();
+        let a = d.claim(7, &worker(0xa), &PROOF).unwrap();
+        let b = d.claim(7, &worker(0xb), &PROOF).unwrap();
         assert_ne!(a.lid, b.lid);
         assert_eq!(a.lid >> 8, 7);
-        let me = std::process::id() as i32;
-        assert_eq!(d.lookup(a.lid), Some((me, worker(0xa))));
-        assert_eq!(d.lookup(b.lid), Some((me, worker(0xb))));
+        let me = std::process::id();
+        assert_eq!(d.lookup(a.lid), published(me, worker(0xa)));
+        assert_eq!(d.lookup(b.lid), published(me, worker(0xb)));
         // A file left by a process that no longer exists is not an answer.
         let stale = (7u16 << 8) | 200;
-        fs::write(d.lid_path(stale), "ugdr1 2147483646 0120\n").unwrap();
+        fs::write(d.lid_path(stale), "ugdr2 2147483646 0120 abcd\n").unwrap();
         assert_eq!(d.lookup(stale), None);
         d.release(&a);
         assert_eq!(d.lookup(a.lid), None);
@@ -415,7 +451,7 @@ mod tests {
         nix::sys::stat::umask(old);
         let d = opened.unwrap();
         assert_eq!(mode(&s.0), 0o700);
-        let c = d.claim(3, &worker(1)).unwrap();
+        let c = d.claim(3, &worker(1), &PROOF).unwrap();
         assert_eq!(mode(&d.lid_path(c.lid)), 0o600);
         let names: Vec<_> = fs::read_dir(&s.0)
             .unwrap()
@@ -479,15 +515,15 @@ mod tests {
         let dead = (5u16 << 8) | 9;
         let live = (5u16 << 8) | 10;
         let foreign = (5u16 << 8) | 11;
-        fs::write(d.lid_path(dead), "ugdr1 2147483646 0120\n").unwrap();
-        fs::write(d.lid_path(live), format!("ugdr1 {me} 0120\n")).unwrap();
+        fs::write(d.lid_path(dead), "ugdr2 2147483646 0120 abcd\n").unwrap();
+        fs::write(d.lid_path(live), format!("ugdr2 {me} 0120 abcd\n")).unwrap();
         fs::write(d.lid_path(foreign), "not an entry\n").unwrap();
         let dead_claim = s.0.join(".claim-2147483646-d7");
-        fs::write(&dead_claim, "ugdr1 2147483646 0120\n").unwrap();
-        d.claim(5, &worker(2)).unwrap();
+        fs::write(&dead_claim, "ugdr2 2147483646 0120 abcd\n").unwrap();
+        d.claim(5, &worker(2), &PROOF).unwrap();
         assert!(!d.lid_path(dead).exists(), "dead entry swept");
         assert!(!dead_claim.exists(), "dead claim file swept");
-        assert_eq!(d.lookup(live), Some((me as i32, vec![0x01, 0x20])));
+        assert_eq!(d.lookup(live), published(me, vec![0x01, 0x20]));
         assert!(d.lid_path(foreign).exists(), "what is not an entry stays");
     }
 
@@ -496,23 +532,27 @@ mod tests {
         let me = std::process::id();
         let live = |t: String| parse_entry(&t);
         assert_eq!(
-            live(format!("ugdr1 {me} 0120\n")),
-            Entry::Live(me as i32, vec![1, 0x20])
+            live(format!("ugdr2 {me} 0120 abcd\n")),
+            Entry::Live(published(me, vec![1, 0x20]).unwrap())
         );
         for bad in [
-            format!("ugdr1 {me} 0120"),     // no newline
-            format!("ugdr1 {me} 0120 x\n"), // trailing field
-            format!("ugdr1 {me} \n"),       // empty address
-            format!("ugdr1 {me} 0F20\n"),   // upper case
-            format!("ugdr1 {me} +f20\n"),   // a sign
-            format!("ugdr1 {me} 0f20\n"),   // UCX format version 15
-            format!("ugdr2 {me} 0120\n"),   // another format
-            format!("ugdr1 -{me} 0120\n"),  // a negative pid
-            format!("ugdr1  {me} 0120\n"),  // two spaces
-            format!("ugdr1 {me} {}\n", "01".repeat(MAX_WORKER_ADDRESS + 1)),
+            format!("ugdr2 {me} 0120 abcd"),     // no newline
+            format!("ugdr2 {me} 0120 abcd x\n"), // trailing field
+            format!("ugdr2 {me} 0120\n"),        // no proof
+            format!("ugdr2 {me} 0120 \n"),       // empty proof
+            format!("ugdr2 {me} 0120 abc\n"),    // odd proof
+            format!("ugdr2 {me}  abcd\n"),       // empty address
+            format!("ugdr2 {me} 0F20 abcd\n"),   // upper case
+            format!("ugdr2 {me} +f20 abcd\n"),   // a sign
+            format!("ugdr2 {me} 0f20 abcd\n"),   // UCX format version 15
+            format!("ugdr1 {me} 0120 abcd\n"),   // another format
+            format!("ugdr2 -{me} 0120 abcd\n"),  // a negative pid
+            format!("ugdr2  {me} 0120 abcd\n"),  // two spaces
+            format!("ugdr2 {me} {} abcd\n", "01".repeat(MAX_WORKER_ADDRESS + 1)),
+            format!("ugdr2 {me} 0120 {}\n", "ab".repeat(MAX_PROOF + 1)),
         ] {
             assert_eq!(live(bad.clone()), Entry::Unusable, "{bad:?}");
         }
-        assert_eq!(live("ugdr1 2147483646 zz\n".into()), Entry::Dead);
+        assert_eq!(live("ugdr2 2147483646 zz zz\n".into()), Entry::Dead);
     }
 }
