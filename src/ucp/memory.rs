@@ -4,12 +4,22 @@
 //! promises it stays valid for reads and writes until it deregisters it, exactly the promise a
 //! real HCA relies on for DMA. Everything below is safe on that promise; the promise itself
 //! enters through the one `unsafe` constructor, [`AppRegion::new`].
+//!
+//! An on-demand-paging region ([`AppRegion::on_demand`], `IBV_ACCESS_ON_DEMAND`) carries no
+//! such promise: the application may map and unmap inside it at will, as the kernel lets it
+//! with ODP hardware. Its spans are cut only after the process's mappings show the range
+//! mapped with the permissions the access needs ([`super::mappings`]), so an unmapped address
+//! is refused (an access error) instead of faulting. The remaining promise is the one a
+//! pinned region makes for its whole life, held only while an operation on the span is in
+//! flight: memory is not unmapped under an access that is already copying it.
 
 /// Memory the application registered: `len` bytes at `addr`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AppRegion {
     addr: u64,
     len: u64,
+    /// On-demand paging: check the mappings before cutting each span.
+    on_demand: bool,
 }
 
 /// A checked piece of an [`AppRegion`] (or of ugdr's own staging memory).
@@ -25,7 +35,26 @@ impl AppRegion {
     /// any [`AppSpan`] cut from this region is used (the `ibv_reg_mr` contract: until the MR is
     /// deregistered and no operation on it is outstanding).
     pub unsafe fn new(addr: u64, len: u64) -> AppRegion {
-        AppRegion { addr, len }
+        AppRegion {
+            addr,
+            len,
+            on_demand: false,
+        }
+    }
+
+    /// An on-demand-paging region: nothing is promised about the range (it may be unmapped,
+    /// or the whole address space: `addr` 0, `len` `u64::MAX`); every span is checked against
+    /// the process's mappings when it is cut.
+    pub fn on_demand(addr: u64, len: u64) -> AppRegion {
+        AppRegion {
+            addr,
+            len,
+            on_demand: true,
+        }
+    }
+
+    pub fn is_on_demand(&self) -> bool {
+        self.on_demand
     }
 
     pub fn addr(&self) -> u64 {
@@ -40,17 +69,108 @@ impl AppRegion {
         self.len == 0
     }
 
-    /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe).
+    /// The part `[addr, addr + len)` of this region (same promise, same kind), if inside it.
+    pub fn sub(&self, addr: u64, len: u64) -> Option<AppRegion> {
+        let end = addr.checked_add(len)?;
+        if addr < self.addr || end > self.addr.checked_add(self.len)? {
+            return None;
+        }
+        Some(AppRegion {
+            addr,
+            len,
+            on_demand: self.on_demand,
+        })
+    }
+
+    /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe), for reads
+    /// and writes.
     pub fn span(&self, addr: u64, len: u64) -> Option<AppSpan> {
+        self.span_for(addr, len, true)
+    }
+
+    /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe) and, for an
+    /// on-demand region, is mapped now, readable, and writable when `write`.
+    pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;
         let region_end = self.addr.checked_add(self.len)?;
         if addr < self.addr || end > region_end {
             return None;
         }
-        Some(AppSpan {
-            addr,
-            len: usize::try_from(len).ok()?,
+        let len = usize::try_from(len).ok()?;
+        if self.on_demand && len > 0 {
+            if let Err(e) = super::mappings::check(addr, len as u64, write) {
+                tracing::debug!("on-demand access to {addr:#x}+{len}: {e}");
+                return None;
+            }
+        }
+        Some(AppSpan { addr, len })
+    }
+}
+
+/// Memory ugdr owns for the application (device memory, `ibv_alloc_dm`): a private anonymous
+/// mapping, page-aligned and zeroed, unmapped on drop. Its owner keeps it alive while any
+/// region or span cut from it is in use (a DM lives until its last MR is gone).
+#[derive(Debug)]
+pub struct HostBuffer {
+    addr: u64,
+    len: u64,
+}
+
+impl HostBuffer {
+    /// `len` bytes (> 0) of fresh zeroed memory.
+    pub fn new(len: u64) -> std::io::Result<HostBuffer> {
+        let size = usize::try_from(len)
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: a new anonymous mapping at an address the kernel picks; no existing memory
+        // is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(HostBuffer {
+            addr: p as u64,
+            len,
         })
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole buffer as registrable memory (valid while `self` lives; see the type).
+    pub fn region(&self) -> AppRegion {
+        AppRegion {
+            addr: self.addr,
+            len: self.len,
+            on_demand: false,
+        }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once; no span of it is in use any more
+        // (the owner's contract).
+        unsafe { libc::munmap(self.addr as usize as *mut libc::c_void, self.len as usize) };
     }
 }
 

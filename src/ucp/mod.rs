@@ -12,12 +12,13 @@
 
 mod endpoint;
 mod library;
+pub mod mappings;
 mod memory;
 mod status;
 mod worker;
 
 pub use endpoint::{Endpoint, SendDone, SendPayload, SendState};
 pub use library::{Ucx, ucx_version};
-pub use memory::{AppRegion, AppSpan, gather, scatter};
+pub use memory::{AppRegion, AppSpan, HostBuffer, gather, scatter};
 pub use status::Error;
 pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};
