@@ -159,29 +159,16 @@ fn check_host_registration(region: &AppRegion, iova: u64, access: u32) -> Result
     Ok(())
 }
 
-/// The keys (and direct-access slot) a new registration gets: `reuse` (a re-registration's
-/// previous keys) where the slot still fits, fresh ones otherwise.
-fn keys_for(remote: bool, reuse: Option<(u32, u32, Option<u16>)>) -> (u32, u32, Option<u16>) {
-    let memory = Engine::local_memory().filter(|_| remote);
-    match reuse {
-        // The rkey already names a slot (kept even while the region is not remote), or the
-        // region needs none: keep both keys.
-        Some((lkey, rkey, Some(slot))) => (lkey, rkey, Some(slot)),
-        Some((lkey, rkey, None)) if memory.is_none() => (lkey, rkey, None),
-        _ => {
-            let slot = memory.and_then(|m| m.allocate_region_slot());
-            let lkey = match reuse {
-                Some((lkey, _, _)) => lkey,
-                None => unused_key(&BY_LKEY, None),
-            };
-            // A fresh slot changes the rkey (its low bits name the slot).
-            let rkey = match (reuse, slot) {
-                (Some((_, rkey, _)), None) => rkey,
-                _ => unused_key(&BY_RKEY, slot),
-            };
-            (lkey, rkey, slot)
-        }
+/// A direct-access slot for a registration that grants remote access to pinned memory
+/// (on-demand memory stays on the message path, where the responder checks each access
+/// against the mappings), and the rkey naming it; None when the path is off or full.
+fn direct_slot(access: u32, region: &AppRegion) -> Option<(u16, u32)> {
+    let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
+    if !remote || region.is_on_demand() {
+        return None;
     }
+    let slot = Engine::local_memory()?.allocate_region_slot()?;
+    Some((slot, unused_key(&BY_RKEY, Some(slot))))
 }
 
 impl Registration {
@@ -265,8 +252,11 @@ impl MemoryRegion {
         access: u32,
     ) -> Result<Arc<MemoryRegion>, VerbsError> {
         check_host_registration(&region, iova, access)?;
-        let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
-        let keys = keys_for(remote && !region.is_on_demand(), None);
+        let lkey = unused_key(&BY_LKEY, None);
+        let keys = match direct_slot(access, &region) {
+            Some((slot, rkey)) => (lkey, rkey, Some(slot)),
+            None => (lkey, unused_key(&BY_RKEY, None), None),
+        };
         Ok(Self::adopt(Registration::new(
             pd, region, iova, access, None, keys,
         )))
@@ -294,8 +284,11 @@ impl MemoryRegion {
             return Err(VerbsError::Invalid("device memory of another context"));
         }
         let region = dm.region(offset, length)?;
-        let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
-        let keys = keys_for(remote, None);
+        let lkey = unused_key(&BY_LKEY, None);
+        let keys = match direct_slot(access, &region) {
+            Some((slot, rkey)) => (lkey, rkey, Some(slot)),
+            None => (lkey, unused_key(&BY_RKEY, None), None),
+        };
         Ok(Self::adopt(Registration::new(
             pd,
             region,
@@ -337,8 +330,10 @@ impl MemoryRegion {
     /// `access` (the caller passes the old values for what does not change). Conceptually a
     /// deregistration then a registration: operations already holding the old one finish,
     /// same-host peers are fenced off the old memory before this returns and see the new one
-    /// afterwards. Keys stay unless the direct path needs a new slot (rdma-core reports the
-    /// keys after every re-registration). On failure nothing changed.
+    /// afterwards. The lkey stays; the rkey stays unless the new registration is published
+    /// for the direct path, which takes a new slot and so a new rkey (rdma-core reports the
+    /// keys after every re-registration): the new one is published while the old one still
+    /// holds the shared pages, then the old one is withdrawn. On failure nothing changed.
     pub fn reregister(
         &self,
         pd: &Arc<ProtectionDomain>,
@@ -360,27 +355,28 @@ impl MemoryRegion {
         }
         check_host_registration(&region, iova, access)?;
         let old = Arc::clone(&current);
-        let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
-        let keys = keys_for(
-            remote && !region.is_on_demand(),
-            Some((old.lkey, old.rkey, old.slot)),
-        );
-        // Fence the old registration off same-host peers first: its slot may be reused.
-        old.withdraw();
+        let keys = match direct_slot(access, &region) {
+            Some((slot, rkey)) => (old.lkey, rkey, Some(slot)),
+            None => (old.lkey, old.rkey, None),
+        };
+        // Published (in its own slot) while the old registration still keeps the pages
+        // shared, so the same pages stay on the direct path.
         let new = Registration::new(pd, region, iova, access, None, keys);
         if !Arc::ptr_eq(&new.pd, &old.pd) {
             new.pd.adopt_child();
             old.pd.release_child();
         }
+        BY_LKEY.insert(new.lkey, Arc::clone(&new));
         if new.rkey != old.rkey {
             BY_RKEY.remove(&old.rkey);
-            if let (Some(m), Some(s)) = (Engine::local_memory(), old.slot) {
-                m.free_region_slot(s);
-            }
         }
-        BY_LKEY.insert(new.lkey, Arc::clone(&new));
         BY_RKEY.insert(new.rkey, Arc::clone(&new));
         *current = new;
+        // Same-host peers fenced off the old one: once this returns nothing lands there.
+        old.withdraw();
+        if let (Some(m), Some(s)) = (Engine::local_memory(), old.slot) {
+            m.free_region_slot(s);
+        }
         Ok(())
     }
 
