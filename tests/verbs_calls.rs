@@ -789,12 +789,12 @@ fn cq_ex_polling_reads_every_field() {
         assert_eq!((*cqx).next_poll.unwrap()(cqx), libc::ENOENT);
         (*cqx).end_poll.unwrap()(cqx);
         // A flag ugdr does not produce is refused at creation.
-        let mut ts = ibv_cq_init_attr_ex {
+        let mut tag = ibv_cq_init_attr_ex {
             cqe: 4,
-            wc_flags: ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0 as u64,
+            wc_flags: ibv_create_cq_wc_flags::IBV_WC_EX_WITH_FLOW_TAG.0 as u64,
             ..Default::default()
         };
-        assert!(create_cq_ex(dev.ctx, &mut ts).is_null());
+        assert!(create_cq_ex(dev.ctx, &mut tag).is_null());
         assert_eq!(errno(), libc::EOPNOTSUPP);
         poll_n(cq_a, 1);
         ibv_destroy_qp(a);

@@ -488,3 +488,96 @@ pub fn local_spans(
     }
     Some(spans)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake_verbs::context::DeviceContext;
+
+    fn pd() -> Arc<ProtectionDomain> {
+        ProtectionDomain::new(Arc::new(DeviceContext::new().expect("context")))
+    }
+
+    const ODP_RW: u32 = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_ON_DEMAND;
+
+    #[test]
+    fn a_region_with_bound_windows_is_busy_for_reregistration() {
+        let pd = pd();
+        let buf = vec![0u8; 8192];
+        let a = buf.as_ptr() as u64;
+        let mr = MemoryRegion::register(&pd, AppRegion::on_demand(a, 8192), a, ODP_RW).unwrap();
+        let lkey = mr.lkey();
+        mr.adopt_window();
+        let busy = mr.reregister(&pd, AppRegion::on_demand(a, 4096), a, ODP_RW);
+        assert!(matches!(busy, Err(VerbsError::Busy(_))), "{busy:?}");
+        assert_eq!(busy.unwrap_err().errno(), libc::EBUSY);
+        assert_eq!(mr.registration().region.len(), 8192, "unchanged");
+        mr.release_window();
+        mr.reregister(&pd, AppRegion::on_demand(a, 4096), a, ODP_RW)
+            .unwrap();
+        assert_eq!(mr.registration().region.len(), 4096);
+        assert_eq!(mr.lkey(), lkey, "the lkey stays");
+        assert!(remote_span(&pd, mr.rkey(), a + 4000, 96, ACCESS_REMOTE_WRITE).is_some());
+        assert!(
+            remote_span(&pd, mr.rkey(), a + 4000, 97, ACCESS_REMOTE_WRITE).is_none(),
+            "the old length is gone"
+        );
+        mr.deregister();
+        assert_eq!(pd.check_deallocatable(), Ok(()));
+    }
+
+    #[test]
+    fn on_demand_spans_are_cut_only_from_mapped_memory() {
+        let pd = pd();
+        let whole = AppRegion::on_demand(0, u64::MAX);
+        let mr = MemoryRegion::register(&pd, whole, 0, ODP_RW).unwrap();
+        let local = [7u64; 4];
+        let a = local.as_ptr() as u64;
+        assert!(remote_span(&pd, mr.rkey(), a, 32, ACCESS_REMOTE_WRITE).is_some());
+        assert!(remote_span(&pd, mr.rkey(), 8, 8, ACCESS_REMOTE_WRITE).is_none(), "page 0");
+        let text = on_demand_spans_are_cut_only_from_mapped_memory as usize as u64;
+        assert!(
+            remote_span(&pd, mr.rkey(), text, 8, ACCESS_REMOTE_WRITE).is_none(),
+            "code is not writable"
+        );
+        let sge = |addr| Sge {
+            addr,
+            length: 8,
+            lkey: mr.lkey(),
+        };
+        assert!(local_spans(&pd, &[sge(text)], false).is_some(), "code is readable");
+        assert!(local_spans(&pd, &[sge(text)], true).is_none());
+        assert!(local_spans(&pd, &[sge(16)], false).is_none());
+        // Implicit ODP needs the on-demand flag and iova 0.
+        assert!(MemoryRegion::register(&pd, whole, 4096, ODP_RW).is_err());
+        assert!(MemoryRegion::register(&pd, whole, 0, ACCESS_LOCAL_WRITE).is_err());
+        mr.deregister();
+    }
+
+    #[test]
+    fn device_memory_regions_are_zero_based_and_keep_their_memory_busy() {
+        let pd = pd();
+        let dm = DeviceMemory::allocate(&pd.context, 8192, 0).unwrap();
+        let rw = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE;
+        assert!(MemoryRegion::register_device_memory(&pd, &dm, 0, 4096, rw).is_err());
+        assert!(
+            MemoryRegion::register_device_memory(&pd, &dm, 4096, 4097, rw | ACCESS_ZERO_BASED)
+                .is_err()
+        );
+        let mr =
+            MemoryRegion::register_device_memory(&pd, &dm, 4096, 4096, rw | ACCESS_ZERO_BASED)
+                .unwrap();
+        let span = remote_span(&pd, mr.rkey(), 100, 8, ACCESS_REMOTE_WRITE).unwrap();
+        assert_eq!(span.addr(), dm.span(4096 + 100, 8).unwrap().addr());
+        assert!(remote_span(&pd, mr.rkey(), 4090, 8, ACCESS_REMOTE_WRITE).is_none());
+        assert!(matches!(dm.check_freeable(), Err(VerbsError::Busy(_))));
+        let moved = mr.reregister(&pd, AppRegion::on_demand(0, u64::MAX), 0, ODP_RW);
+        assert!(matches!(moved, Err(VerbsError::Invalid(_))), "{moved:?}");
+        mr.deregister();
+        assert_eq!(dm.check_freeable(), Ok(()));
+        assert!(matches!(
+            dm.span(8000, 193),
+            Err(VerbsError::Invalid(_))
+        ));
+    }
+}
