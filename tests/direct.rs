@@ -952,7 +952,11 @@ fn scenario_rereg(relay: &mut Relay, link: &mut Link) {
         ibv_wc_opcode::IBV_WC_RDMA_WRITE,
         "write after rereg",
     );
-    assert_eq!(relay.ask(&format!("hash 0 {RW_LEN}")), before, "nothing written");
+    assert_eq!(
+        relay.ask(&format!("hash 0 {RW_LEN}")),
+        before,
+        "nothing written"
+    );
     // Moved to new pages with remote write: WRITEs land there, directly, and not in the old.
     link.reconnect(relay);
     let moved = fields(&relay.ask("rereg-move"));

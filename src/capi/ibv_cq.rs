@@ -3,8 +3,7 @@
 use super::boundary::{Fallback, ffi_boundary, set_errno, status};
 use super::ibv_pd_mr::our_pd;
 use super::layout::{
-    CHANNELS, ChannelShell, ContextShell, CqShell, PdShell, RESOURCE_CQ, ShellMemory,
-    owned_context,
+    CHANNELS, ChannelShell, ContextShell, CqShell, PdShell, RESOURCE_CQ, ShellMemory, owned_context,
 };
 use super::{ops, passthrough};
 use crate::engine::Engine;
@@ -213,9 +212,8 @@ pub(crate) unsafe extern "C" fn create_cq_ex_op(
             // SAFETY: the caller's PD pointer (or NULL), ownership checked; a plain PD (not a
             // parent domain) or one of another context is EINVAL, as in rdma-core's mlx5.
             match unsafe { our_pd(a.parent_domain) } {
-                Some(p) if p.parent.is_some() && unsafe { (*a.parent_domain).context } == ctx => {
-                    Some(p)
-                }
+                // SAFETY: our own PD (checked above): its context field is readable.
+                Some(p) if p.parent.is_some() && unsafe { (*p.as_raw()).context } == ctx => Some(p),
                 _ => return <*mut ibv_cq_ex>::fail(libc::EINVAL),
             }
         } else {

@@ -5,10 +5,10 @@ use super::layout::{ContextShell, DeviceShell};
 use super::{ops, passthrough};
 use crate::engine::{Engine, host_network};
 use crate::fake_verbs::VerbsError;
+use crate::fake_verbs::clock;
 use crate::fake_verbs::context::{
     DeviceContext, EVENT_CQ_ERR, EVENT_QP_LAST_WQE_REACHED, EVENT_SRQ_LIMIT_REACHED,
 };
-use crate::fake_verbs::clock;
 use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
 use dashmap::DashMap;

@@ -340,11 +340,9 @@ fn reregister(
     } else {
         (old_addr, old_length, old.iova)
     };
-    let region = app_region(new_addr, new_length, new_access)
-        .ok_or(VerbsError::Invalid("NULL address"))?;
-    shell
-        .inner
-        .reregister(&new_pd, region, iova, new_access)?;
+    let region =
+        app_region(new_addr, new_length, new_access).ok_or(VerbsError::Invalid("NULL address"))?;
+    shell.inner.reregister(&new_pd, region, iova, new_access)?;
     // SAFETY: as above; the application reads these fields after the call returns.
     unsafe {
         if flags & REREG_PD != 0 {

@@ -357,7 +357,9 @@ impl<T> Drop for ShellMemory<T> {
         }
         match self.membership.take().and_then(|m| m.home) {
             // SAFETY: the callback's memory, never initialized, given back once.
-            Some(h) => unsafe { (h.free)(h.parent, h.pd_context, self.ptr.cast(), h.resource_type) },
+            Some(h) => unsafe {
+                (h.free)(h.parent, h.pd_context, self.ptr.cast(), h.resource_type)
+            },
             // SAFETY: the Box<MaybeUninit<T>> leaked by on_heap, never initialized.
             None => drop(unsafe { Box::from_raw(self.ptr) }),
         }

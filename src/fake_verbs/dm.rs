@@ -35,9 +35,7 @@ impl DeviceMemory {
             ));
         }
         if log_align > MAX_LOG_ALIGN {
-            return Err(VerbsError::Invalid(
-                "device memory alignment above a page",
-            ));
+            return Err(VerbsError::Invalid("device memory alignment above a page"));
         }
         ALLOCATED
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {

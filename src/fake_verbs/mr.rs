@@ -151,8 +151,7 @@ fn check_host_registration(region: &AppRegion, iova: u64, access: u32) -> Result
         }
         return Ok(());
     }
-    if region.addr().checked_add(region.len()).is_none()
-        || iova.checked_add(region.len()).is_none()
+    if region.addr().checked_add(region.len()).is_none() || iova.checked_add(region.len()).is_none()
     {
         return Err(VerbsError::Invalid("memory region wraps the address space"));
     }
@@ -429,12 +428,14 @@ pub fn advise(
             ))?;
         let outside = VerbsError::BadAddress("range outside the MR");
         let offset = sge.addr.checked_sub(reg.iova).ok_or(outside.clone())?;
-        let start = reg.region.addr().checked_add(offset).ok_or(outside.clone())?;
+        let start = reg
+            .region
+            .addr()
+            .checked_add(offset)
+            .ok_or(outside.clone())?;
         let len = u64::from(sge.length);
         let inside = reg.region.sub(start, len).ok_or(outside)?;
-        if advice != ADVICE_PREFETCH_NO_FAULT
-            && inside.span_for(start, len, write).is_none()
-        {
+        if advice != ADVICE_PREFETCH_NO_FAULT && inside.span_for(start, len, write).is_none() {
             return Err(VerbsError::BadAddress("range not mapped"));
         }
     }
@@ -484,7 +485,10 @@ pub fn local_spans(
         // The SGE address is in the MR's iova space; translate to the process address.
         let offset = sge.addr.checked_sub(mr.iova)?;
         let addr = mr.region.addr().checked_add(offset)?;
-        spans.push(mr.region.span_for(addr, u64::from(sge.length), need_write)?);
+        spans.push(
+            mr.region
+                .span_for(addr, u64::from(sge.length), need_write)?,
+        );
     }
     Some(spans)
 }
@@ -534,8 +538,11 @@ mod tests {
         let local = [7u64; 4];
         let a = local.as_ptr() as u64;
         assert!(remote_span(&pd, mr.rkey(), a, 32, ACCESS_REMOTE_WRITE).is_some());
-        assert!(remote_span(&pd, mr.rkey(), 8, 8, ACCESS_REMOTE_WRITE).is_none(), "page 0");
-        let text = on_demand_spans_are_cut_only_from_mapped_memory as usize as u64;
+        assert!(
+            remote_span(&pd, mr.rkey(), 8, 8, ACCESS_REMOTE_WRITE).is_none(),
+            "page 0"
+        );
+        let text = on_demand_spans_are_cut_only_from_mapped_memory as *const () as u64;
         assert!(
             remote_span(&pd, mr.rkey(), text, 8, ACCESS_REMOTE_WRITE).is_none(),
             "code is not writable"
@@ -545,7 +552,10 @@ mod tests {
             length: 8,
             lkey: mr.lkey(),
         };
-        assert!(local_spans(&pd, &[sge(text)], false).is_some(), "code is readable");
+        assert!(
+            local_spans(&pd, &[sge(text)], false).is_some(),
+            "code is readable"
+        );
         assert!(local_spans(&pd, &[sge(text)], true).is_none());
         assert!(local_spans(&pd, &[sge(16)], false).is_none());
         // Implicit ODP needs the on-demand flag and iova 0.
@@ -564,9 +574,8 @@ mod tests {
             MemoryRegion::register_device_memory(&pd, &dm, 4096, 4097, rw | ACCESS_ZERO_BASED)
                 .is_err()
         );
-        let mr =
-            MemoryRegion::register_device_memory(&pd, &dm, 4096, 4096, rw | ACCESS_ZERO_BASED)
-                .unwrap();
+        let mr = MemoryRegion::register_device_memory(&pd, &dm, 4096, 4096, rw | ACCESS_ZERO_BASED)
+            .unwrap();
         let span = remote_span(&pd, mr.rkey(), 100, 8, ACCESS_REMOTE_WRITE).unwrap();
         assert_eq!(span.addr(), dm.span(4096 + 100, 8).unwrap().addr());
         assert!(remote_span(&pd, mr.rkey(), 4090, 8, ACCESS_REMOTE_WRITE).is_none());
@@ -575,9 +584,6 @@ mod tests {
         assert!(matches!(moved, Err(VerbsError::Invalid(_))), "{moved:?}");
         mr.deregister();
         assert_eq!(dm.check_freeable(), Ok(()));
-        assert!(matches!(
-            dm.span(8000, 193),
-            Err(VerbsError::Invalid(_))
-        ));
+        assert!(matches!(dm.span(8000, 193), Err(VerbsError::Invalid(_))));
     }
 }

@@ -76,7 +76,9 @@ impl ThreadDomain {
 
     pub fn check_deallocatable(&self) -> Result<(), VerbsError> {
         if self.users.load(Ordering::Acquire) != 0 {
-            return Err(VerbsError::Busy("thread domain still used by parent domains"));
+            return Err(VerbsError::Busy(
+                "thread domain still used by parent domains",
+            ));
         }
         Ok(())
     }
