@@ -12,55 +12,42 @@ mod harness;
 
 use harness::*;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::OnceLock;
-use std::time::Duration;
 
 fn memory_verbs() -> &'static PathBuf {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| build_c("memory_verbs", &["-libverbs"]))
 }
 
-/// Runs `exe section` under ugdr; it must exit 0 and print "<section>: ok" (with no
-/// section: the whole program, "<what>: ok").
-fn run_section(exe: &PathBuf, section: &str, what: &str) {
-    let mut cmd = Command::new(exe);
-    if !section.is_empty() {
-        cmd.arg(section);
-    }
-    cmd.env("LD_PRELOAD", lib_path());
-    let out = run(cmd, what, Duration::from_secs(60));
-    assert_success(&out, what);
-    let done = if section.is_empty() { what } else { section };
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains(&format!("{done}: ok")),
-        "{}",
-        text(&out)
-    );
+/// Runs one section of `memory_verbs` under ugdr; it must print "<section>: ok".
+fn section(name: &str) {
+    let what = format!("memory_verbs {name}");
+    run_checked_under_ugdr(memory_verbs(), &[name], &what, &format!("{name}: ok"));
 }
 
 #[test]
 fn rereg_changes_translation_pd_and_access_and_fails_as_rdma_core_does() {
-    run_section(memory_verbs(), "rereg", "memory_verbs rereg");
+    section("rereg");
 }
 
 #[test]
 fn odp_explicit_and_implicit_and_unmapped_pages_are_remote_access_errors() {
-    run_section(memory_verbs(), "odp", "memory_verbs odp");
+    section("odp");
 }
 
 #[test]
 fn device_memory_copies_are_bounds_checked_and_a_dm_mr_carries_rdma() {
-    run_section(memory_verbs(), "dm", "memory_verbs dm");
+    section("dm");
 }
 
 #[test]
 fn parent_domains_place_qps_and_cqs_in_the_applications_allocator() {
-    run_section(memory_verbs(), "parent", "memory_verbs parent");
+    section("parent");
 }
 
 #[test]
 fn completion_timestamps_are_monotonic_and_agree_with_clock_gettime() {
     let exe = build_c("completion_timestamps", &["-libverbs"]);
-    run_section(&exe, "", "completion_timestamps");
+    let name = "completion_timestamps";
+    run_checked_under_ugdr(&exe, &[], name, &format!("{name}: ok"));
 }

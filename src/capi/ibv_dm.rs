@@ -115,7 +115,33 @@ fn dm_of<'a>(dm: *mut ibv_dm) -> Option<&'a DmShell> {
     unsafe { our_dm(dm) }
 }
 
-/// `ibv_dm.memcpy_to_dm`: 0, or EINVAL for a range outside the DM (nothing copied).
+/// Copies `length` bytes between the DM's `[dm_offset, dm_offset + length)` and the host
+/// memory at `host` (`to_dm`: host → DM). 0, or EINVAL for a range outside the DM or a NULL
+/// host address (nothing copied).
+fn copy_dm(dm: *mut ibv_dm, dm_offset: u64, host: *mut u8, length: usize, to_dm: bool) -> c_int {
+    let Some(shell) = dm_of(dm) else {
+        return c_int::fail(libc::EINVAL);
+    };
+    match shell.inner.span(dm_offset, length as u64) {
+        Ok(_) if length == 0 => 0,
+        Ok(_) if host.is_null() => c_int::fail(libc::EINVAL),
+        Ok(span) => {
+            let (src, dst) = if to_dm {
+                (host.cast_const(), span.as_ptr())
+            } else {
+                (span.as_ptr().cast_const(), host)
+            };
+            // SAFETY: the caller's `length` bytes at `host` (readable for `to_dm`, writable
+            // otherwise: the verb's contract); the span is inside the DM's memory, alive while
+            // the DM is. `copy` tolerates overlap (a host buffer inside the DM).
+            unsafe { std::ptr::copy(src, dst, length) };
+            0
+        }
+        Err(e) => c_int::fail(e.errno()),
+    }
+}
+
+/// `ibv_dm.memcpy_to_dm`.
 unsafe extern "C" fn memcpy_to_dm(
     dm: *mut ibv_dm,
     dm_offset: u64,
@@ -123,26 +149,11 @@ unsafe extern "C" fn memcpy_to_dm(
     length: usize,
 ) -> c_int {
     ffi_boundary!("ibv_memcpy_to_dm", {
-        let Some(shell) = dm_of(dm) else {
-            return c_int::fail(libc::EINVAL);
-        };
-        match shell.inner.span(dm_offset, length as u64) {
-            Ok(_) if length == 0 => 0,
-            Ok(_) if host_addr.is_null() => c_int::fail(libc::EINVAL),
-            Ok(span) => {
-                // SAFETY: the caller's `length` readable bytes at host_addr (the verb's
-                // contract); the span is inside the DM's memory, alive while the DM is.
-                unsafe {
-                    std::ptr::copy(host_addr.cast::<u8>(), span.as_ptr(), length);
-                }
-                0
-            }
-            Err(e) => c_int::fail(e.errno()),
-        }
+        copy_dm(dm, dm_offset, host_addr.cast_mut().cast(), length, true)
     })
 }
 
-/// `ibv_dm.memcpy_from_dm`: 0, or EINVAL for a range outside the DM (nothing copied).
+/// `ibv_dm.memcpy_from_dm`.
 unsafe extern "C" fn memcpy_from_dm(
     host_addr: *mut c_void,
     dm: *mut ibv_dm,
@@ -150,21 +161,6 @@ unsafe extern "C" fn memcpy_from_dm(
     length: usize,
 ) -> c_int {
     ffi_boundary!("ibv_memcpy_from_dm", {
-        let Some(shell) = dm_of(dm) else {
-            return c_int::fail(libc::EINVAL);
-        };
-        match shell.inner.span(dm_offset, length as u64) {
-            Ok(_) if length == 0 => 0,
-            Ok(_) if host_addr.is_null() => c_int::fail(libc::EINVAL),
-            Ok(span) => {
-                // SAFETY: the caller's `length` writable bytes at host_addr; the span is
-                // inside the DM's memory.
-                unsafe {
-                    std::ptr::copy(span.as_ptr(), host_addr.cast::<u8>(), length);
-                }
-                0
-            }
-            Err(e) => c_int::fail(e.errno()),
-        }
+        copy_dm(dm, dm_offset, host_addr.cast(), length, false)
     })
 }

@@ -58,11 +58,11 @@ impl DeviceMemory {
     }
 
     pub fn len(&self) -> u64 {
-        self.buffer.len()
+        self.buffer.region().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.buffer.is_empty()
+        self.len() == 0
     }
 
     /// `[offset, offset + len)` of the device memory, if inside it (EINVAL otherwise).
@@ -75,13 +75,12 @@ impl DeviceMemory {
 
     /// `[offset, offset + len)` as registrable memory (`ibv_reg_dm_mr`), if inside it.
     pub fn region(&self, offset: u64, len: u64) -> Result<AppRegion, VerbsError> {
-        let addr = self
-            .buffer
+        let whole = self.buffer.region();
+        let addr = whole
             .addr()
             .checked_add(offset)
             .ok_or(VerbsError::Invalid("offset outside the device memory"))?;
-        self.buffer
-            .region()
+        whole
             .sub(addr, len)
             .ok_or(VerbsError::Invalid("range outside the device memory"))
     }
@@ -105,7 +104,7 @@ impl DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        ALLOCATED.fetch_sub(self.buffer.len(), Ordering::AcqRel);
+        ALLOCATED.fetch_sub(self.len(), Ordering::AcqRel);
         self.context.release_child();
     }
 }

@@ -112,8 +112,8 @@ impl AppRegion {
 /// region or span cut from it is in use (a DM lives until its last MR is gone).
 #[derive(Debug)]
 pub struct HostBuffer {
-    addr: u64,
-    len: u64,
+    /// The mapping (pinned: valid while the buffer lives).
+    region: AppRegion,
 }
 
 impl HostBuffer {
@@ -139,30 +139,17 @@ impl HostBuffer {
             return Err(std::io::Error::last_os_error());
         }
         Ok(HostBuffer {
-            addr: p as u64,
-            len,
+            region: AppRegion {
+                addr: p as u64,
+                len,
+                on_demand: false,
+            },
         })
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.addr
-    }
-
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The whole buffer as registrable memory (valid while `self` lives; see the type).
     pub fn region(&self) -> AppRegion {
-        AppRegion {
-            addr: self.addr,
-            len: self.len,
-            on_demand: false,
-        }
+        self.region
     }
 }
 
@@ -170,7 +157,12 @@ impl Drop for HostBuffer {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, unmapped once; no span of it is in use any more
         // (the owner's contract).
-        unsafe { libc::munmap(self.addr as usize as *mut libc::c_void, self.len as usize) };
+        unsafe {
+            libc::munmap(
+                self.region.addr as usize as *mut libc::c_void,
+                self.region.len as usize,
+            )
+        };
     }
 }
 

@@ -6,16 +6,8 @@
  * between clock_gettime readings taken around the operation (CLOCK_MONOTONIC for the device
  * clock at hca_core_clock, CLOCK_REALTIME for the wall clock), and stamps never decrease
  * along the CQ. Exit 0 and "completion_timestamps: ok" only if every check holds. */
-#include <infiniband/verbs.h>
-#include <errno.h>
+#include "verbs_test.h"
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-    fprintf(stderr, __VA_ARGS__); fprintf(stderr, " (errno %d)\n", errno); exit(1); } } while (0)
 
 #define N 64
 
@@ -24,21 +16,6 @@ static uint64_t now_ns(clockid_t c)
     struct timespec t;
     clock_gettime(c, &t);
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
-}
-
-static void to_rts(struct ibv_qp *qp, uint16_t lid, uint32_t dqpn)
-{
-    struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1 };
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "INIT");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTR; a.path_mtu = IBV_MTU_1024; a.dest_qp_num = dqpn;
-    a.max_dest_rd_atomic = 1; a.min_rnr_timer = 12; a.ah_attr.dlid = lid; a.ah_attr.port_num = 1;
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                        IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) == 0, "RTR");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) == 0, "RTS");
 }
 
 int main(void)
@@ -81,8 +58,8 @@ int main(void)
         .qp_type = IBV_QPT_RC, .cap = { .max_send_wr = N, .max_recv_wr = N, .max_send_sge = 1, .max_recv_sge = 1 } };
     struct ibv_qp *a = ibv_create_qp(pd, &init), *b = ibv_create_qp(pd, &init);
     CHECK(a && b, "create_qp");
-    to_rts(a, port.lid, b->qp_num);
-    to_rts(b, port.lid, a->qp_num);
+    to_rts(a, port.lid, b->qp_num, 0);
+    to_rts(b, port.lid, a->qp_num, 0);
     char *buf = calloc(N, 64);
     struct ibv_mr *mr = ibv_reg_mr(pd, buf, N * 64, IBV_ACCESS_LOCAL_WRITE);
     CHECK(mr, "reg_mr");

@@ -5,20 +5,10 @@
  * completion's fields and the bytes moved are checked, and the error cases rdma-core
  * documents. Sections: rereg, odp, dm, parent (argv[1] picks one; none runs all). Exit 0 and
  * "memory_verbs: ok" only if every check holds. */
-#include <infiniband/verbs.h>
-#include <errno.h>
+#include "verbs_test.h"
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
-
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-    fprintf(stderr, __VA_ARGS__); fprintf(stderr, " (errno %d)\n", errno); exit(1); } } while (0)
-/* A call that must fail with `bad` and errno `e`. */
-#define FAILS_WITH(call, bad, e) do { errno = 0; CHECK((call) == (bad) && errno == (e), "%s", #call); } while (0)
 
 static struct ibv_context *ctx;
 static uint16_t lid;
@@ -31,21 +21,7 @@ struct pair {
     struct ibv_qp *a, *b; /* a sends; b is the target */
 };
 
-static void to_rts(struct ibv_qp *qp, uint32_t dqpn)
-{
-    struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
-        .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC };
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "INIT");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTR; a.path_mtu = IBV_MTU_1024; a.dest_qp_num = dqpn;
-    a.max_dest_rd_atomic = 1; a.min_rnr_timer = 12; a.ah_attr.dlid = lid; a.ah_attr.port_num = 1;
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                        IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) == 0, "RTR");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) == 0, "RTS");
-}
+static const int qp_access = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
 
 static struct ibv_qp *rc_qp(struct ibv_pd *pd, struct ibv_cq *cq)
 {
@@ -65,8 +41,8 @@ static struct pair pair_new(struct ibv_pd *pd_a, struct ibv_pd *pd_b)
     CHECK(p.cq_a && p.cq_b, "create_cq");
     p.a = rc_qp(pd_a, p.cq_a);
     p.b = rc_qp(pd_b, p.cq_b);
-    to_rts(p.a, p.b->qp_num);
-    to_rts(p.b, p.a->qp_num);
+    to_rts(p.a, lid, p.b->qp_num, qp_access);
+    to_rts(p.b, lid, p.a->qp_num, qp_access);
     return p;
 }
 
@@ -74,20 +50,6 @@ static void pair_free(struct pair *p)
 {
     CHECK(ibv_destroy_qp(p->a) == 0 && ibv_destroy_qp(p->b) == 0, "destroy_qp");
     CHECK(ibv_destroy_cq(p->cq_a) == 0 && ibv_destroy_cq(p->cq_b) == 0, "destroy_cq");
-}
-
-static int poll_one(struct ibv_cq *cq, struct ibv_wc *wc)
-{
-    struct timespec start, now;
-    clock_gettime(CLOCK_MONOTONIC, &start);
-    for (;;) {
-        int n = ibv_poll_cq(cq, 1, wc);
-        if (n != 0)
-            return n;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if (now.tv_sec - start.tv_sec > 10)
-            return 0;
-    }
 }
 
 static enum ibv_qp_state qp_state(struct ibv_qp *qp)
@@ -569,8 +531,8 @@ static void parent(struct ibv_pd *pd)
     struct ibv_qp *c = rc_qp(ppd, pcq);
     CHECK(al.alloc_calls == 4 && al.n == 3, "USE_DEFAULT");
     CHECK(ibv_destroy_qp(c) == 0 && al.free_calls == 0, "destroy a default-allocated QP");
-    to_rts(a, b->qp_num);
-    to_rts(b, a->qp_num);
+    to_rts(a, lid, b->qp_num, qp_access);
+    to_rts(b, lid, a->qp_num, qp_access);
 
     /* Traffic: an MR of the parent domain and one of its PD, interchangeable. */
     char *buf = map_pages(1);
