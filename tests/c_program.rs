@@ -4,21 +4,13 @@
 mod harness;
 
 use harness::*;
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 /// Runs `exe` under ugdr; it must exit 0 and print "<name>: ok".
-fn run_under_ugdr(exe: &PathBuf, name: &str) {
-    let mut cmd = Command::new(exe);
-    cmd.env("LD_PRELOAD", lib_path());
-    let out = run(cmd, name, Duration::from_secs(60));
-    assert_success(&out, name);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains(&format!("{name}: ok")),
-        "{}",
-        text(&out)
-    );
+fn run_under_ugdr(exe: &Path, name: &str) {
+    run_checked_under_ugdr(exe, &[], name, &format!("{name}: ok"));
 }
 
 #[test]

@@ -5,7 +5,9 @@
 //! direct path; one that must wait for SIGCONT went through messages.
 //!
 //! Every check the responder makes holds on the direct path too (unknown rkey, missing
-//! access, out of range, deregistered memory, racing a deregistration), RC ordering holds
+//! access, out of range, deregistered memory, racing a deregistration or a re-registration
+//! that takes remote write away; after `ibv_rereg_mr` the path serves the new access and the
+//! new pages), RC ordering holds
 //! (a SEND after a WRITE finds the WRITE's data in place, 100,000 times), and where the path
 //! is off (`UGDR_DIRECT=off`) or not permitted (a non-dumpable target, a requester without
 //! CAP_SYS_PTRACE) the same operations complete through messages.
@@ -39,7 +41,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 7] = [
+    let cases: [(&str, fn()); 8] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
@@ -49,6 +51,10 @@ fn main() {
         (
             "memory_registered_again_after_deregistration_is_direct_again",
             reregistered,
+        ),
+        (
+            "rereg_fences_the_old_registration_and_publishes_the_new_one",
+            rereg,
         ),
         ("a_send_after_a_direct_write_finds_its_data", ordering),
         ("ugdr_direct_off_uses_messages", direct_off),
@@ -87,6 +93,9 @@ fn refusals() {
 }
 fn dereg_race() {
     run("dereg_race", &[], Requester::Privileged);
+}
+fn rereg() {
+    run("rereg", &[], Requester::Privileged);
 }
 fn ordering() {
     run("ordering", &[], Requester::Privileged);
@@ -360,6 +369,7 @@ fn target_role() {
     let ro_mr = ro.reg(&dev, LOCAL_WRITE | REMOTE_READ);
     let recv_mr = recv.reg(&dev, LOCAL_WRITE);
     let mut qp = dev.rc_qp(cq, cq, 64);
+    let mut moved: Option<Region> = None;
     unsafe {
         out(&format!(
             "ready {} {} {} {} {} {}",
@@ -393,10 +403,37 @@ fn target_role() {
             "dereg" => {
                 assert_eq!(unsafe { ibv_dereg_mr(rw_mr) }, 0);
                 rw_mr = null_mut();
-                let snapshot = rw.bytes().to_vec();
-                std::thread::sleep(Duration::from_millis(200));
-                let same = snapshot == rw.bytes();
-                out(if same { "stable" } else { "changed" });
+                out(stable_after(&rw));
+            }
+            "rereg-ro" => {
+                // Remote write taken away, remote read kept: nothing may land afterwards.
+                let access = LOCAL_WRITE | REMOTE_READ;
+                assert_eq!(
+                    unsafe { ibv_rereg_mr(rw_mr, REREG_ACCESS, null_mut(), null_mut(), 0, access) },
+                    0
+                );
+                out(stable_after(&rw));
+            }
+            "rkey" => out(&format!("rkey {}", unsafe { (*rw_mr).rkey })),
+            "rereg-move" => {
+                // The same MR moves to fresh pages with remote write again.
+                let to = moved.insert(Region::new(RW_LEN));
+                let access = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ;
+                let flags = REREG_TRANSLATION | REREG_ACCESS;
+                let rc = unsafe {
+                    ibv_rereg_mr(rw_mr, flags, null_mut(), to.ptr.cast(), RW_LEN, access)
+                };
+                assert_eq!(rc, 0);
+                unsafe {
+                    assert_eq!(((*rw_mr).addr as u64, (*rw_mr).length), (to.addr(), RW_LEN));
+                    out(&format!("moved {} {}", to.addr(), (*rw_mr).rkey));
+                }
+            }
+            "hash-moved" => {
+                let f = fields(&line);
+                let (off, len) = (f[0] as usize, f[1] as usize);
+                let to = moved.as_ref().expect("moved");
+                out(&format!("hash {}", fnv(&to.bytes()[off..off + len])));
             }
             "reg" => {
                 rw_mr = rw.reg(&dev, LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ);
@@ -413,6 +450,32 @@ fn target_role() {
         }
     }
     let _ = rw_mr;
+}
+
+/// `ibv_rereg_mr` flags.
+const REREG_TRANSLATION: c_int = 1;
+const REREG_ACCESS: c_int = 1 << 2;
+
+unsafe extern "C" {
+    fn ibv_rereg_mr(
+        mr: *mut ibv_mr,
+        flags: c_int,
+        pd: *mut ibv_pd,
+        addr: *mut std::ffi::c_void,
+        length: usize,
+        access: c_int,
+    ) -> c_int;
+}
+
+/// Whether `region` stays unchanged for 200 ms (after its MR lost remote write).
+fn stable_after(region: &Region) -> &'static str {
+    let snapshot = region.bytes().to_vec();
+    std::thread::sleep(Duration::from_millis(200));
+    if snapshot == region.bytes() {
+        "stable"
+    } else {
+        "changed"
+    }
 }
 
 /// Receives `n` SENDs, each carrying the value the requester wrote just before it at offset
@@ -599,7 +662,8 @@ fn requester_role(scenario: &str) {
         match scenario {
             "while_stopped" => scenario_while_stopped(&mut relay, &mut link),
             "refusals" => scenario_refusals(&mut relay, &mut link),
-            "dereg_race" => scenario_dereg_race(&mut relay, &mut link),
+            "dereg_race" => scenario_dereg_race(&mut relay, &mut link, "dereg"),
+            "rereg" => scenario_rereg(&mut relay, &mut link),
             "ordering" => scenario_ordering(&mut relay, &mut link),
             "fallback" => scenario_fallback(&mut relay, &mut link),
             "reregistered" => scenario_reregistered(&mut relay, &mut link),
@@ -735,9 +799,10 @@ fn scenario_refusals(relay: &mut Relay, link: &mut Link) {
     }
 }
 
-fn scenario_dereg_race(relay: &mut Relay, link: &mut Link) {
+fn scenario_dereg_race(relay: &mut Relay, link: &mut Link, command: &str) {
     // A stream of 8-byte WRITEs (every 16th signaled) until one fails; meanwhile the target
-    // deregisters and checks that its memory no longer changes.
+    // deregisters (or re-registers without remote write: `command`) and checks that its
+    // memory no longer changes.
     let qp = link.qp as usize;
     let cq = link.cq as usize;
     let (sge_addr, lkey) = (link.local.addr(), unsafe { (*link.local_mr).lkey });
@@ -782,9 +847,9 @@ fn scenario_dereg_race(relay: &mut Relay, link: &mut Link) {
     });
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(
-        relay.ask("dereg"),
+        relay.ask(command),
         "stable",
-        "bytes changed after ibv_dereg_mr returned"
+        "bytes changed after {command} returned"
     );
     let (after, status) = writer.join().unwrap();
     assert!(after > 0, "the writes never failed");
@@ -888,5 +953,73 @@ fn scenario_reregistered(relay: &mut Relay, link: &mut Link) {
     assert_eq!(
         relay.ask(&format!("hash 0 {}", 3 * PAGE)),
         format!("hash {want}")
+    );
+}
+
+fn scenario_rereg(relay: &mut Relay, link: &mut Link) {
+    const WRITE: ibv_wr_opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+    const READ: ibv_wr_opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+    // Remote write taken away under a stream of WRITEs: nothing lands once rereg returns.
+    scenario_dereg_race(relay, link, "rereg-ro");
+    link.reconnect(relay);
+    // Published anew, in a new slot: the rkey changed, the old one is refused.
+    let rkey = fields(&relay.ask("rkey"))[0] as u32;
+    assert_ne!(rkey, link.rw_rkey, "the new registration's rkey");
+    // The new registration is published: a READ completes while the target is stopped...
+    let before = relay.ask(&format!("hash 0 {RW_LEN}"));
+    relay.signal("stop-target");
+    let mut sge = [link.sge(0, 4096)];
+    link.post(20, READ, &mut sge, link.rw_addr, rkey);
+    link.expect(
+        20,
+        ibv_wc_status::IBV_WC_SUCCESS,
+        ibv_wc_opcode::IBV_WC_RDMA_READ,
+        "read after rereg",
+    );
+    // ...and a WRITE does not: the responder refuses it once the target runs.
+    fill(link, 64, 0x3c);
+    let mut sge = [link.sge(0, 64)];
+    link.post(21, WRITE, &mut sge, link.rw_addr, rkey);
+    assert!(
+        link.completion(Duration::from_millis(300)).is_none(),
+        "a WRITE completed without the target after remote write was taken away"
+    );
+    relay.signal("cont-target");
+    link.expect(
+        21,
+        ibv_wc_status::IBV_WC_REM_ACCESS_ERR,
+        ibv_wc_opcode::IBV_WC_RDMA_WRITE,
+        "write after rereg",
+    );
+    assert_eq!(
+        relay.ask(&format!("hash 0 {RW_LEN}")),
+        before,
+        "nothing written"
+    );
+    // Moved to new pages with remote write: WRITEs land there, directly, and not in the old.
+    link.reconnect(relay);
+    let moved = fields(&relay.ask("rereg-move"));
+    let (addr, rkey) = (moved[0], moved[1] as u32);
+    const LEN: usize = 1 << 20;
+    fill(link, LEN, 0x6d);
+    relay.signal("stop-target");
+    let mut sges = [link.sge(0, LEN)];
+    link.post(22, WRITE, &mut sges, addr + 16, rkey);
+    link.expect(
+        22,
+        ibv_wc_status::IBV_WC_SUCCESS,
+        ibv_wc_opcode::IBV_WC_RDMA_WRITE,
+        "write to the moved MR",
+    );
+    relay.signal("cont-target");
+    let want = fnv(&link.local.bytes()[..LEN]);
+    assert_eq!(
+        relay.ask(&format!("hash-moved 16 {LEN}")),
+        format!("hash {want}")
+    );
+    assert_eq!(
+        relay.ask(&format!("hash 0 {RW_LEN}")),
+        before,
+        "the old pages changed"
     );
 }

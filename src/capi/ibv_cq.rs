@@ -1,11 +1,14 @@
 //! Completion channels and completion queues (`ibv_cq` and `ibv_cq_ex`).
 
 use super::boundary::{Attempt, Fallback, blocking, ffi_boundary, set_errno, status};
-use super::layout::{CHANNELS, ChannelShell, ContextShell, CqShell, owned_context};
+use super::ibv_pd_mr::our_pd;
+use super::layout::{
+    CHANNELS, ChannelShell, ContextShell, CqShell, PdShell, RESOURCE_CQ, ShellMemory, owned_context,
+};
 use super::{ops, passthrough};
 use crate::engine::Engine;
 use crate::fake_verbs::VerbsError;
-use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
+use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue, Timestamps};
 use crate::fake_verbs::device;
 use crate::fake_verbs::work::WorkCompletion;
 use crate::sys::*;
@@ -74,6 +77,14 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> 
     })
 }
 
+/// What `ibv_create_cq_ex` adds to `ibv_create_cq`'s arguments.
+#[derive(Default)]
+struct CqExtras<'a> {
+    timestamps: Timestamps,
+    /// The parent domain it is created through (`IBV_CQ_INIT_ATTR_MASK_PD`).
+    parent: Option<&'a PdShell>,
+}
+
 fn create_cq(
     ctx: *mut ibv_context,
     shell: &ContextShell,
@@ -81,6 +92,7 @@ fn create_cq(
     cq_context: *mut c_void,
     channel: *mut ibv_comp_channel,
     comp_vector: i64,
+    extras: CqExtras,
 ) -> Result<*mut ibv_cq_ex, VerbsError> {
     if cqe < 1 || cqe > i64::from(device::MAX_CQE) {
         return Err(VerbsError::Invalid("cqe out of range"));
@@ -97,7 +109,13 @@ fn create_cq(
             None => return Err(VerbsError::Invalid("completion channel is not ugdr's")),
         }
     };
-    let cq = CompletionQueue::new(Arc::clone(&shell.inner), cqe as usize, channel_obj);
+    let memory = ShellMemory::<CqShell>::reserve(extras.parent, RESOURCE_CQ)?;
+    let cq = CompletionQueue::with_timestamps(
+        Arc::clone(&shell.inner),
+        cqe as usize,
+        channel_obj,
+        extras.timestamps,
+    );
     let mut ibv = ibv_cq_ex {
         context: ctx,
         channel,
@@ -106,11 +124,13 @@ fn create_cq(
         ..Default::default()
     };
     ops::install_cq_ops(&mut ibv);
-    let raw = CqShell::into_raw(Box::new(CqShell {
-        ibv: UnsafeCell::new(ibv),
-        inner: Arc::clone(&cq),
-        current: UnsafeCell::new(None),
-    }));
+    let raw = memory
+        .place(CqShell {
+            ibv: UnsafeCell::new(ibv),
+            inner: Arc::clone(&cq),
+            current: UnsafeCell::new(None),
+        })
+        .cast::<ibv_cq_ex>();
     cq.set_handle(raw as usize);
     Ok(raw)
 }
@@ -141,6 +161,7 @@ pub unsafe extern "C" fn ibv_create_cq(
             cq_context,
             channel,
             comp_vector.into(),
+            CqExtras::default(),
         ) {
             Ok(cq) => cq.cast(),
             Err(e) => <*mut ibv_cq>::fail(e.errno()),
@@ -154,8 +175,17 @@ const SUPPORTED_WC_FLAGS: u64 = (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN
     | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SRC_QP.0
     | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SLID.0
     | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SL.0
-    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_DLID_PATH_BITS.0)
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_DLID_PATH_BITS.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0
+    | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK.0)
     as u64;
+
+/// `enum ibv_cq_init_attr_mask` and `enum ibv_create_cq_attr_flags`.
+const CQ_ATTR_FLAGS: u32 = 1;
+const CQ_ATTR_PD: u32 = 1 << 1;
+/// The application polls the CQ from one thread: nothing to change (ugdr locks anyway).
+/// (`IBV_CREATE_CQ_ATTR_IGNORE_OVERRUN` is not offered: an overrun raises IBV_EVENT_CQ_ERR.)
+const CQ_FLAG_SINGLE_THREADED: u32 = 1;
 
 /// `verbs_context.create_cq_ex` (the `ibv_create_cq_ex` inline).
 pub(crate) unsafe extern "C" fn create_cq_ex_op(
@@ -172,9 +202,23 @@ pub(crate) unsafe extern "C" fn create_cq_ex_op(
         }
         // SAFETY: the caller's attribute struct.
         let a = unsafe { &*attr };
-        if a.comp_mask != 0 || a.flags != 0 {
+        if a.comp_mask & !(CQ_ATTR_FLAGS | CQ_ATTR_PD) != 0 {
+            return <*mut ibv_cq_ex>::fail(libc::EINVAL);
+        }
+        if a.comp_mask & CQ_ATTR_FLAGS != 0 && a.flags & !CQ_FLAG_SINGLE_THREADED != 0 {
             return <*mut ibv_cq_ex>::fail(libc::EOPNOTSUPP);
         }
+        let parent = if a.comp_mask & CQ_ATTR_PD != 0 {
+            // SAFETY: the caller's PD pointer (or NULL), ownership checked; a plain PD (not a
+            // parent domain) or one of another context is EINVAL, as in rdma-core's mlx5.
+            match unsafe { our_pd(a.parent_domain) } {
+                // SAFETY: our own PD (checked above): its context field is readable.
+                Some(p) if p.parent.is_some() && unsafe { (*p.as_raw()).context } == ctx => Some(p),
+                _ => return <*mut ibv_cq_ex>::fail(libc::EINVAL),
+            }
+        } else {
+            None
+        };
         if a.wc_flags & !SUPPORTED_WC_FLAGS != 0 {
             tracing::debug!(
                 "ibv_create_cq_ex: wc_flags {:#x} not supported",
@@ -189,6 +233,18 @@ pub(crate) unsafe extern "C" fn create_cq_ex_op(
             a.cq_context,
             a.channel,
             a.comp_vector.into(),
+            CqExtras {
+                timestamps: Timestamps {
+                    raw: a.wc_flags
+                        & ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0 as u64
+                        != 0,
+                    wallclock: a.wc_flags
+                        & ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK.0
+                            as u64
+                        != 0,
+                },
+                parent,
+            },
         ) {
             Ok(cq) => cq,
             Err(e) => <*mut ibv_cq_ex>::fail(e.errno()),
@@ -516,10 +572,18 @@ unsafe extern "C" fn read_sl(cq: *mut ibv_cq_ex) -> u8 {
 unsafe extern "C" fn read_dlid_path_bits(cq: *mut ibv_cq_ex) -> u8 {
     ffi_boundary!("ibv_wc_read_dlid_path_bits", { current(cq).dlid_path_bits })
 }
-/// Fields ugdr does not produce (not offered in wc_flags): zero, as a CQ without them reads.
-unsafe extern "C" fn read_zero_u64(_: *mut ibv_cq_ex) -> u64 {
-    0
+/// The device clock when the completion reached the CQ (0 unless the CQ was created with
+/// `IBV_WC_EX_WITH_COMPLETION_TIMESTAMP`).
+unsafe extern "C" fn read_completion_ts(cq: *mut ibv_cq_ex) -> u64 {
+    ffi_boundary!("ibv_wc_read_completion_ts", { current(cq).completion_ts })
 }
+/// The wall clock then, ns since the epoch (0 unless created with `..._WALLCLOCK`).
+unsafe extern "C" fn read_completion_wallclock_ns(cq: *mut ibv_cq_ex) -> u64 {
+    ffi_boundary!("ibv_wc_read_completion_wallclock_ns", {
+        current(cq).completion_wallclock_ns
+    })
+}
+/// Fields ugdr does not produce (not offered in wc_flags): zero, as a CQ without them reads.
 unsafe extern "C" fn read_zero_u16(_: *mut ibv_cq_ex) -> u16 {
     0
 }
@@ -547,9 +611,9 @@ pub(crate) fn install_poll_ops(cq: &mut ibv_cq_ex) {
     cq.read_slid = Some(read_slid);
     cq.read_sl = Some(read_sl);
     cq.read_dlid_path_bits = Some(read_dlid_path_bits);
-    cq.read_completion_ts = Some(read_zero_u64);
+    cq.read_completion_ts = Some(read_completion_ts);
     cq.read_cvlan = Some(read_zero_u16);
     cq.read_flow_tag = Some(read_zero_u32);
     cq.read_tm_info = Some(read_tm_info);
-    cq.read_completion_wallclock_ns = Some(read_zero_u64);
+    cq.read_completion_wallclock_ns = Some(read_completion_wallclock_ns);
 }

@@ -6,6 +6,7 @@ use super::layout::{ContextShell, DeviceShell};
 use super::{ops, passthrough};
 use crate::engine::{Engine, host_network};
 use crate::fake_verbs::VerbsError;
+use crate::fake_verbs::clock;
 use crate::fake_verbs::context::{DeviceContext, EventElement};
 use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
@@ -336,9 +337,50 @@ pub(crate) unsafe extern "C" fn query_device_ex_op(
         let mut out = ibv_device_attr_ex::default();
         fill_device_attr(&mut out.orig_attr);
         out.phys_port_cnt_ex = 1;
+        out.odp_caps = ibv_odp_caps {
+            general_caps: device::odp::GENERAL_CAPS,
+            per_transport_caps: ibv_odp_caps__bindgen_ty_1 {
+                rc_odp_caps: device::odp::RC_CAPS,
+                uc_odp_caps: device::odp::UC_CAPS,
+                ud_odp_caps: device::odp::UD_CAPS,
+            },
+        };
+        out.completion_timestamp_mask = clock::COMPLETION_TIMESTAMP_MASK;
+        out.hca_core_clock = clock::HCA_CORE_CLOCK_KHZ;
+        out.max_dm_size = device::MAX_DM_SIZE;
         let n = attr_size.min(std::mem::size_of::<ibv_device_attr_ex>());
         // SAFETY: the caller's buffer holds `attr_size` bytes; we write at most that many.
         unsafe { ptr::copy_nonoverlapping(&out as *const _ as *const u8, attr as *mut u8, n) };
+        0
+    })
+}
+
+/// `IBV_VALUES_MASK_RAW_CLOCK`, the one value `ibv_query_rt_values_ex` knows.
+const VALUES_RAW_CLOCK: u32 = 1;
+
+/// `verbs_context.query_rt_values` (the `ibv_query_rt_values_ex` inline): the raw device clock
+/// as mlx4/mlx5 report it (`tv_sec` 0, `tv_nsec` the cycle count; one cycle is a nanosecond
+/// of CLOCK_MONOTONIC, see `fake_verbs::clock`). Unknown bits in `comp_mask`: EINVAL.
+pub(crate) unsafe extern "C" fn query_rt_values_op(
+    ctx: *mut ibv_context,
+    values: *mut ibv_values_ex,
+) -> c_int {
+    ffi_boundary!("ibv_query_rt_values_ex", {
+        if values.is_null() || !ContextShell::is_ours(ctx) {
+            return c_int::fail(libc::EINVAL);
+        }
+        // SAFETY: the caller's struct, checked non-NULL.
+        let v = unsafe { &mut *values };
+        if v.comp_mask & !VALUES_RAW_CLOCK != 0 {
+            return c_int::fail(libc::EINVAL);
+        }
+        let asked = v.comp_mask;
+        v.comp_mask = 0;
+        if asked & VALUES_RAW_CLOCK != 0 {
+            v.raw_clock.tv_sec = 0;
+            v.raw_clock.tv_nsec = clock::raw_clock() as i64;
+            v.comp_mask |= VALUES_RAW_CLOCK;
+        }
         0
     })
 }

@@ -58,7 +58,8 @@ not_yet! {
     context = (*mr).context, ours = ();
 }
 not_yet! {
-    /// ugdr never creates device memory, so a DM is never ugdr's; checked all the same.
+    /// ugdr's device memory is never imported (`ibv_import_dm` fails): nothing to undo, the
+    /// DM stays (rdma-core's default).
     #[allow(clippy::unused_unit)]
     ibv_unimport_dm(dm: *mut ibv_dm) -> (),
     context = (*dm).context, ours = ();

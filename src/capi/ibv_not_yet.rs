@@ -1,5 +1,4 @@
-//! Verbs ugdr does not carry yet (multicast, re-registration, ECE,
-//! dma-buf MRs). Each is exported all the same: given one of ugdr's objects it fails as a
+//! Verbs ugdr does not carry yet (multicast, ECE, dma-buf MRs). Each is exported all the same: given one of ugdr's objects it fails as a
 //! device without the feature does (NULL/errno EOPNOTSUPP, or EOPNOTSUPP), instead of letting
 //! the real libibverbs read ugdr's objects as its own; given a real library's object it
 //! forwards to the real function (by exact version node).
@@ -7,7 +6,7 @@
 use super::boundary::Fallback;
 use super::passthrough::real_functions;
 use crate::sys::*;
-use std::os::raw::{c_int, c_void};
+use std::os::raw::c_int;
 
 /// The real library's functions of the same names.
 mod real {
@@ -16,7 +15,6 @@ mod real {
     real_functions! {
     ibv_attach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
     ibv_detach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
-    ibv_rereg_mr @ "IBVERBS_1.1": fn(*mut ibv_mr, c_int, *mut ibv_pd, *mut c_void, usize, c_int) -> c_int;
     ibv_query_ece @ "IBVERBS_1.10": fn(*mut ibv_qp, *mut ibv_ece) -> c_int;
     ibv_set_ece @ "IBVERBS_1.10": fn(*mut ibv_qp, *mut ibv_ece) -> c_int;
     ibv_reg_dmabuf_mr @ "IBVERBS_1.12": fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr;
@@ -62,11 +60,6 @@ not_yet! {
 not_yet! {
     ibv_detach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,
     context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    /// Re-registration: not yet (deregister and register again).
-    ibv_rereg_mr(mr: *mut ibv_mr, flags: c_int, pd: *mut ibv_pd, addr: *mut c_void, length: usize, access: c_int) -> c_int,
-    context = (*mr).context, ours = c_int::fail(libc::EOPNOTSUPP);
 }
 not_yet! {
     ibv_query_ece(qp: *mut ibv_qp, ece: *mut ibv_ece) -> c_int,

@@ -2,7 +2,9 @@
 
 use super::boundary::{Fallback, ffi_boundary, status};
 use super::ibv_ah::our_ah;
-use super::layout::{ContextShell, CqShell, PdShell, QpShell, WrBatch, owned_context};
+use super::layout::{
+    ContextShell, CqShell, PdShell, QpShell, RESOURCE_QP, ShellMemory, WrBatch, owned_context,
+};
 use super::{ops, passthrough};
 use crate::engine::Engine;
 use crate::fake_verbs::VerbsError;
@@ -122,6 +124,8 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
             "queue pair type (ugdr carries RC, UC and UD queue pairs)",
         ));
     }
+    // A QP created through a parent domain with an allocator lives in its memory.
+    let memory = ShellMemory::<QpShell>::reserve(Some(pd_shell), RESOURCE_QP)?;
     let caps = QpCaps::grant(QpCaps {
         max_send_wr: args.cap.max_send_wr,
         max_recv_wr: args.cap.max_recv_wr,
@@ -162,11 +166,13 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
         ..Default::default()
     };
     ops::install_qp_ops(&mut ibv);
-    let raw = QpShell::into_raw(Box::new(QpShell {
-        ibv: UnsafeCell::new(ibv),
-        inner: Arc::clone(&qp),
-        batch: UnsafeCell::new(WrBatch::default()),
-    }));
+    let raw = memory
+        .place(QpShell {
+            ibv: UnsafeCell::new(ibv),
+            inner: Arc::clone(&qp),
+            batch: UnsafeCell::new(WrBatch::default()),
+        })
+        .cast::<ibv_qp_ex>();
     qp.set_handle(raw as usize);
     engine.register_qp(qp.qp_num, qp);
     let granted = ibv_qp_cap {

@@ -27,7 +27,7 @@
 //! registers as the variadic one (other targets do not interpose it).
 
 use super::boundary::{CANCEL_USED, ffi_boundary};
-use crate::ucp::{Loss, anything_registered, invalidate_range};
+use crate::ucp::{Invalidation, Loss, anything_registered, invalidate_range};
 use crate::ugdr::host_memory;
 use std::ffi::CStr;
 use std::os::raw::{c_int, c_void};
@@ -80,16 +80,18 @@ fn page_size() -> u64 {
 
 /// Invalidates the registered memory in `[addr, addr + len)` that `loss` affects, rounded to
 /// whole pages as the kernel rounds it; nothing for an unaligned address (the kernel refuses
-/// the call).
-fn lose(addr: *const c_void, len: usize, loss: Loss) {
+/// the call). Keep what it returns until the real call returned: on-demand regions there
+/// hold their accesses until then (`ucp::memory`).
+fn lose(addr: *const c_void, len: usize, loss: Loss) -> Option<Invalidation> {
     let page = page_size();
     let start = addr as u64;
     if !start.is_multiple_of(page) || len == 0 {
-        return;
+        return None;
     }
     let len = (len as u64).saturating_add(page - 1) & !(page - 1);
-    invalidate_range(start, len, loss);
+    let changing = invalidate_range(start, len, loss);
     withdraw_direct(start, len);
+    Some(changing)
 }
 
 /// Same-host peers stop reaching `[start, start + len)` directly (engine/direct.rs).
@@ -110,7 +112,7 @@ type ShmdtFn = unsafe extern "C" fn(*const c_void) -> c_int;
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> c_int {
     ffi_boundary!("munmap", quiet, on_panic = -1, {
-        lose(addr, len, Loss::Pages);
+        let _changing = lose(addr, len, Loss::Pages);
         match next_fn!(c"munmap", MunmapFn) {
             // SAFETY: the caller's arguments, passed on.
             Some(real) => unsafe { real(addr, len) },
@@ -132,21 +134,23 @@ pub unsafe extern "C" fn mremap(
     new_addr: *mut c_void,
 ) -> *mut c_void {
     ffi_boundary!("mremap", quiet, on_panic = libc::MAP_FAILED, {
-        if flags & (libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED) != 0 {
+        let _moved = if flags & (libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED) != 0 {
             // The pages may move: what is registered at the old address goes.
-            lose(old, old_size, Loss::Pages);
+            lose(old, old_size, Loss::Pages)
         } else if new_size < old_size {
             // Shrinking in place: the tail goes.
             lose(
                 old.wrapping_byte_add(new_size),
                 old_size - new_size,
                 Loss::Pages,
-            );
-        }
-        if flags & libc::MREMAP_FIXED != 0 {
-            // Whatever was mapped at the new address is replaced.
-            lose(new_addr, new_size, Loss::Pages);
-        }
+            )
+        } else {
+            None
+        };
+        // Whatever was mapped at the new address is replaced.
+        let _replaced = (flags & libc::MREMAP_FIXED != 0)
+            .then(|| lose(new_addr, new_size, Loss::Pages))
+            .flatten();
         match next_fn!(c"mremap", MremapFn) {
             // SAFETY: the caller's arguments, passed on (the fifth as the variadic one).
             Some(real) => unsafe { real(old, old_size, new_size, flags, new_addr) },
@@ -175,9 +179,9 @@ macro_rules! export_map {
         ) -> *mut c_void {
             ffi_boundary!(stringify!($name), quiet, on_panic = libc::MAP_FAILED, {
                 // MAP_FIXED replaces what is there; MAP_FIXED_NOREPLACE fails instead.
-                if flags & libc::MAP_FIXED != 0 {
-                    lose(addr, len, Loss::Pages);
-                }
+                let _changing = (flags & libc::MAP_FIXED != 0)
+                    .then(|| lose(addr, len, Loss::Pages))
+                    .flatten();
                 match next_fn!(c"mmap", MmapFn) {
                     // SAFETY: the caller's arguments, passed on.
                     Some(real) => unsafe { real(addr, len, prot, flags, fd, offset) },
@@ -201,11 +205,13 @@ type MprotectFn = unsafe extern "C" fn(*mut c_void, usize, c_int) -> c_int;
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: c_int) -> c_int {
     ffi_boundary!("mprotect", quiet, on_panic = -1, {
-        if prot & libc::PROT_READ == 0 {
-            lose(addr, len, Loss::Pages);
+        let _changing = if prot & libc::PROT_READ == 0 {
+            lose(addr, len, Loss::Pages)
         } else if prot & libc::PROT_WRITE == 0 {
-            lose(addr, len, Loss::Write);
-        }
+            lose(addr, len, Loss::Write)
+        } else {
+            None
+        };
         match next_fn!(c"mprotect", MprotectFn) {
             // SAFETY: the caller's arguments, passed on.
             Some(real) => unsafe { real(addr, len, prot) },
@@ -225,12 +231,11 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: c_int) -
     ffi_boundary!("madvise", quiet, on_panic = -1, {
         // These drop the pages (the next touch maps fresh ones): a HCA would keep DMA-ing to
         // the old pages, which the process no longer sees.
-        if matches!(
+        let dropped = matches!(
             advice,
             libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | MADV_DONTNEED_LOCKED
-        ) {
-            lose(addr, len, Loss::Pages);
-        }
+        );
+        let _changing = dropped.then(|| lose(addr, len, Loss::Pages)).flatten();
         match next_fn!(c"madvise", MadviseFn) {
             // SAFETY: the caller's arguments, passed on.
             Some(real) => unsafe { real(addr, len, advice) },
@@ -247,10 +252,11 @@ pub unsafe extern "C" fn shmdt(addr: *const c_void) -> c_int {
     ffi_boundary!("shmdt", quiet, on_panic = -1, {
         // The segment's size is not an argument: the mapping that starts at `addr` tells it
         // (read only when something is registered).
+        let mut _changing = None;
         if anything_registered()
             && let Some(len) = host_memory::attached_extent(addr as u64)
         {
-            invalidate_range(addr as u64, len, Loss::Pages);
+            _changing = Some(invalidate_range(addr as u64, len, Loss::Pages));
             withdraw_direct(addr as u64, len);
         }
         match next_fn!(c"shmdt", ShmdtFn) {

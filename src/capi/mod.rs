@@ -7,6 +7,8 @@ pub(crate) mod caller;
 mod ibv_ah;
 mod ibv_cq;
 mod ibv_device;
+mod ibv_dm;
+mod ibv_domain;
 mod ibv_misc;
 mod ibv_not_yet;
 mod ibv_pd_mr;

@@ -5,7 +5,8 @@
 
 use super::boundary::set_errno;
 use super::{
-    ibv_cq as cq_exports, ibv_device as device_exports, ibv_qp as qp_exports,
+    ibv_cq as cq_exports, ibv_device as device_exports, ibv_dm as dm_exports,
+    ibv_domain as domain_exports, ibv_pd_mr as mr_exports, ibv_qp as qp_exports,
     ibv_srq as srq_exports,
 };
 use crate::sys::*;
@@ -51,8 +52,7 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.query_device_ex = Some(device_exports::query_device_ex_op);
     vctx.create_cq_ex = Some(cq_exports::create_cq_ex_op);
     vctx.create_qp_ex = Some(qp_exports::create_qp_ex_op);
-    vctx.advise_mr =
-        unsupported!(fn(*mut ibv_pd, ib_uverbs_advise_mr_advice, u32, *mut ibv_sge, u32) -> c_int);
+    vctx.advise_mr = Some(mr_exports::advise_mr_op);
     vctx.alloc_null_mr = unsupported!(fn(*mut ibv_pd) -> *mut ibv_mr);
     vctx.read_counters = unsupported!(fn(*mut ibv_counters, *mut u64, u32, u32) -> c_int);
     vctx.attach_counters_point_flow =
@@ -60,20 +60,18 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.create_counters =
         unsupported!(fn(*mut ibv_context, *mut ibv_counters_init_attr) -> *mut ibv_counters);
     vctx.destroy_counters = unsupported!(fn(*mut ibv_counters) -> c_int);
-    vctx.reg_dm_mr =
-        unsupported!(fn(*mut ibv_pd, *mut ibv_dm, u64, usize, std::os::raw::c_uint) -> *mut ibv_mr);
-    vctx.alloc_dm = unsupported!(fn(*mut ibv_context, *mut ibv_alloc_dm_attr) -> *mut ibv_dm);
-    vctx.free_dm = unsupported!(fn(*mut ibv_dm) -> c_int);
+    vctx.reg_dm_mr = Some(dm_exports::reg_dm_mr_op);
+    vctx.alloc_dm = Some(dm_exports::alloc_dm_op);
+    vctx.free_dm = Some(dm_exports::free_dm_op);
     vctx.modify_flow_action_esp =
         unsupported!(fn(*mut ibv_flow_action, *mut ibv_flow_action_esp_attr) -> c_int);
     vctx.destroy_flow_action = unsupported!(fn(*mut ibv_flow_action) -> c_int);
     vctx.create_flow_action_esp =
         unsupported!(fn(*mut ibv_context, *mut ibv_flow_action_esp_attr) -> *mut ibv_flow_action);
     vctx.modify_qp_rate_limit = unsupported!(fn(*mut ibv_qp, *mut ibv_qp_rate_limit_attr) -> c_int);
-    vctx.alloc_parent_domain =
-        unsupported!(fn(*mut ibv_context, *mut ibv_parent_domain_init_attr) -> *mut ibv_pd);
-    vctx.dealloc_td = unsupported!(fn(*mut ibv_td) -> c_int);
-    vctx.alloc_td = unsupported!(fn(*mut ibv_context, *mut ibv_td_init_attr) -> *mut ibv_td);
+    vctx.alloc_parent_domain = Some(domain_exports::alloc_parent_domain_op);
+    vctx.dealloc_td = Some(domain_exports::dealloc_td_op);
+    vctx.alloc_td = Some(domain_exports::alloc_td_op);
     vctx.modify_cq = unsupported!(fn(*mut ibv_cq, *mut ibv_modify_cq_attr) -> c_int);
     vctx.post_srq_ops = Some(post_srq_ops_unsupported);
     vctx.destroy_rwq_ind_table = unsupported!(fn(*mut ibv_rwq_ind_table) -> c_int);
@@ -83,7 +81,7 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.destroy_wq = unsupported!(fn(*mut ibv_wq) -> c_int);
     vctx.modify_wq = unsupported!(fn(*mut ibv_wq, *mut ibv_wq_attr) -> c_int);
     vctx.create_wq = unsupported!(fn(*mut ibv_context, *mut ibv_wq_init_attr) -> *mut ibv_wq);
-    vctx.query_rt_values = unsupported!(fn(*mut ibv_context, *mut ibv_values_ex) -> c_int);
+    vctx.query_rt_values = Some(device_exports::query_rt_values_op);
     vctx.ibv_destroy_flow = unsupported!(fn(*mut ibv_flow) -> c_int);
     vctx.ibv_create_flow = unsupported!(fn(*mut ibv_qp, *mut ibv_flow_attr) -> *mut ibv_flow);
     vctx.ABI_placeholder1 = Some(abi_placeholder);

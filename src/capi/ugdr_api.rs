@@ -438,9 +438,9 @@ pub unsafe extern "C" fn ugdr_reg_mr(
                     pd,
                     addr,
                     length,
-                    handle: mr.lkey,
-                    lkey: mr.lkey,
-                    rkey: mr.rkey,
+                    handle: mr.lkey(),
+                    lkey: mr.lkey(),
+                    rkey: mr.rkey(),
                 };
                 Box::into_raw(Box::new(UgdrMr { public, inner: mr })).cast()
             }

@@ -1,6 +1,7 @@
 //! Completion queues and completion channels.
 
 use super::VerbsError;
+use super::clock;
 use super::context::{DeviceContext, EVENT_CQ_ERR};
 use super::event_queue::EventQueue;
 use super::work::{WcStatus, WorkCompletion};
@@ -56,11 +57,22 @@ struct Ring {
     overrun: bool,
 }
 
+/// Which clocks a CQ stamps its completions with (`ibv_create_cq_ex` wc_flags).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Timestamps {
+    /// The device clock (`IBV_WC_EX_WITH_COMPLETION_TIMESTAMP`).
+    pub raw: bool,
+    /// The wall clock (`IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK`).
+    pub wallclock: bool,
+}
+
 /// A completion queue: a bounded ring of completions, notification arming, and the
 /// bookkeeping of `ibv_get_cq_event`/`ibv_ack_cq_events`.
 pub struct CompletionQueue {
     pub context: Arc<DeviceContext>,
     pub channel: Option<Arc<CompletionChannel>>,
+    /// Clocks read when a completion is added (as a HCA stamps the CQE it writes).
+    timestamps: Timestamps,
     /// The C handle (`struct ibv_cq *`) of this CQ, for events.
     handle: AtomicUsize,
     ring: Mutex<Ring>,
@@ -75,6 +87,16 @@ impl CompletionQueue {
         capacity: usize,
         channel: Option<Arc<CompletionChannel>>,
     ) -> Arc<CompletionQueue> {
+        Self::with_timestamps(context, capacity, channel, Timestamps::default())
+    }
+
+    /// A CQ whose completions carry the clocks `timestamps` asks for.
+    pub fn with_timestamps(
+        context: Arc<DeviceContext>,
+        capacity: usize,
+        channel: Option<Arc<CompletionChannel>>,
+        timestamps: Timestamps,
+    ) -> Arc<CompletionQueue> {
         context.adopt_child();
         if let Some(ch) = &channel {
             ch.users.fetch_add(1, Ordering::AcqRel);
@@ -82,6 +104,7 @@ impl CompletionQueue {
         Arc::new(CompletionQueue {
             context,
             channel,
+            timestamps,
             handle: AtomicUsize::new(0),
             ring: Mutex::new(Ring {
                 entries: VecDeque::with_capacity(capacity.min(4096)),
@@ -111,11 +134,18 @@ impl CompletionQueue {
         self.ring().capacity
     }
 
-    /// Adds a completion. A full CQ is an overrun: the completion is lost and
-    /// IBV_EVENT_CQ_ERR is raised, as on hardware.
-    pub fn push(&self, wc: WorkCompletion, solicited: bool) {
+    /// Adds a completion, stamped with the clocks the CQ asked for. A full CQ is an overrun:
+    /// the completion is lost and IBV_EVENT_CQ_ERR is raised, as on hardware.
+    pub fn push(&self, mut wc: WorkCompletion, solicited: bool) {
         let notify = {
             let mut ring = self.ring();
+            // Stamped under the ring's lock: stamps never decrease along the queue.
+            if self.timestamps.raw {
+                wc.completion_ts = clock::raw_clock();
+            }
+            if self.timestamps.wallclock {
+                wc.completion_wallclock_ns = clock::wallclock_ns();
+            }
             if ring.entries.len() >= ring.capacity {
                 if !ring.overrun {
                     ring.overrun = true;

@@ -48,6 +48,25 @@ pub const ACTIVE_MTU_BYTES: u32 = 4096;
 pub const GRH_LEN: usize = 40;
 /// Largest message (the port's max_msg_sz): 1 GiB.
 pub const MAX_MSG_SIZE: u32 = 1 << 30;
+/// Device memory (`max_dm_size`), host memory behind it: at most this much per process.
+pub const MAX_DM_SIZE: u64 = 4 << 20;
+
+/// On-demand paging (`ibv_odp_caps`): explicit and implicit (whole address space) ODP MRs,
+/// for every operation of every transport ugdr carries. Software needs no pinning; each
+/// access checks that its range is mapped at that moment.
+pub mod odp {
+    /// `IBV_ODP_SUPPORT | IBV_ODP_SUPPORT_IMPLICIT`.
+    pub const GENERAL_CAPS: u64 = 1 | 1 << 1;
+    const SEND: u32 = 1 << 0;
+    const RECV: u32 = 1 << 1;
+    const WRITE: u32 = 1 << 2;
+    const READ: u32 = 1 << 3;
+    const ATOMIC: u32 = 1 << 4;
+    const SRQ_RECV: u32 = 1 << 5;
+    pub const RC_CAPS: u32 = SEND | RECV | WRITE | READ | ATOMIC | SRQ_RECV;
+    pub const UC_CAPS: u32 = SEND | RECV | WRITE | SRQ_RECV;
+    pub const UD_CAPS: u32 = SEND | RECV | SRQ_RECV;
+}
 
 impl DeviceAttributes {
     pub fn new(node_guid: [u8; 8]) -> DeviceAttributes {

@@ -21,6 +21,8 @@ pub enum VerbsError {
     WouldBlock,
     #[error("bad address: {0}")]
     BadAddress(&'static str),
+    #[error("not found: {0}")]
+    NotFound(&'static str),
     #[error("system error: {0}")]
     Os(i32),
     #[error("transport: {0}")]
@@ -39,6 +41,7 @@ impl VerbsError {
             Self::NoDevice => libc::ENODEV,
             Self::WouldBlock => libc::EAGAIN,
             Self::BadAddress(_) => libc::EFAULT,
+            Self::NotFound(_) => libc::ENOENT,
             Self::Os(e) => *e,
             Self::Transport(e) => e.errno(),
         }

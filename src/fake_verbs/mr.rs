@@ -1,11 +1,20 @@
 //! Memory regions: keys, access flags, and the checks a HCA makes on every SGE.
 //!
-//! A region whose memory was unmapped or replaced after registration (see `ucp::memory`) is
-//! refused by every check from then on, as a HCA refuses an invalidated MR: a remote access
-//! is a remote access error, a local SGE a local protection error. The check is one atomic
-//! load of the region's liveness.
+//! A region's keys name a [`Registration`]: host memory (pinned, or on-demand paging, which
+//! may be the whole address space), or device memory. `ibv_rereg_mr` replaces the
+//! registration behind the same [`MemoryRegion`], withdrawing the old one from same-host
+//! peers (the direct path) before publishing the new one.
+//!
+//! A pinned registration whose memory was unmapped or replaced after registration (see
+//! `ucp::memory`) is refused by every check from then on, as a HCA refuses an invalidated MR:
+//! a remote access is a remote access error, a local SGE a local protection error. The check
+//! is one atomic load of the region's liveness. Each registration has a region (and so a
+//! liveness cell) of its own: a re-registration makes a new one, and the old one retires
+//! when the last operation holding the old registration ends. An on-demand registration is
+//! never invalidated by unmapping; its accesses check the mappings instead.
 
 use super::VerbsError;
+use super::dm::DeviceMemory;
 use super::pd::ProtectionDomain;
 use super::work::Sge;
 use crate::engine::Engine;
@@ -14,6 +23,7 @@ use crate::ucp::{AppRegion, AppSpan};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
 /// `enum ibv_access_flags` bits.
@@ -32,27 +42,53 @@ const ACCESS_SUPPORTED: u32 = ACCESS_LOCAL_WRITE
     | ACCESS_REMOTE_READ
     | ACCESS_REMOTE_ATOMIC
     | ACCESS_MW_BIND
+    | ACCESS_ON_DEMAND
     | ACCESS_HUGETLB
     | ACCESS_OPTIONAL_RANGE;
 
+/// `IBV_ADVISE_MR_ADVICE_*` and `IBV_ADVISE_MR_FLAG_FLUSH`.
+pub const ADVICE_PREFETCH: u32 = 0;
+pub const ADVICE_PREFETCH_WRITE: u32 = 1;
+pub const ADVICE_PREFETCH_NO_FAULT: u32 = 2;
+pub const ADVISE_FLAG_FLUSH: u32 = 1;
+
+/// The access flags a device-memory MR may have (`IBV_ACCESS_ZERO_BASED` required).
+const DM_ACCESS: u32 = ACCESS_LOCAL_WRITE
+    | ACCESS_REMOTE_WRITE
+    | ACCESS_REMOTE_READ
+    | ACCESS_REMOTE_ATOMIC
+    | ACCESS_ZERO_BASED;
+
+/// A memory region: the application's handle, whose registration `ibv_rereg_mr` replaces.
 pub struct MemoryRegion {
+    /// The registration in force; its lock also orders re-registration and deregistration.
+    current: Mutex<Arc<Registration>>,
+    /// Memory windows bound to the region: a busy region cannot be re-registered.
+    windows: AtomicUsize,
+}
+
+/// One registration of a memory region: what the keys name, immutable while it is in force.
+pub struct Registration {
     pub pd: Arc<ProtectionDomain>,
     pub region: AppRegion,
-    /// The address the peer uses for this region (iova; equals the address for ibv_reg_mr).
+    /// The address the peer uses for this region (iova; equals the address for ibv_reg_mr,
+    /// 0 for device memory, which is zero-based).
     pub iova: u64,
     pub access: u32,
     pub lkey: u32,
     pub rkey: u32,
+    /// The device memory it maps (`ibv_reg_dm_mr`), kept alive with it.
+    pub dm: Option<Arc<DeviceMemory>>,
     /// Where same-host peers see it (the direct path), while registered.
     published: Mutex<Option<PublishedRegion>>,
     /// The slot of the direct-access table its rkey names (held until deregistration).
     slot: Option<u16>,
 }
 
-/// Every live MR of the process, by lkey (local SGEs) and by rkey (remote requests).
-static BY_LKEY: LazyLock<DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>> =
+/// Every live registration of the process, by lkey (local SGEs) and by rkey (remote requests).
+static BY_LKEY: LazyLock<DashMap<u32, Arc<Registration>, FxBuildHasher>> =
     LazyLock::new(DashMap::default);
-static BY_RKEY: LazyLock<DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>> =
+static BY_RKEY: LazyLock<DashMap<u32, Arc<Registration>, FxBuildHasher>> =
     LazyLock::new(DashMap::default);
 
 /// Random bits from the kernel (keys nobody can predict, as a HCA's key generator).
@@ -70,7 +106,7 @@ fn random_u32() -> u32 {
 
 /// A key not in use in `map`, never 0. With a direct-access `slot`, its low bits name the
 /// slot (so a peer finds the published region from the rkey alone) and the rest is random.
-fn unused_key(map: &DashMap<u32, Arc<MemoryRegion>, FxBuildHasher>, slot: Option<u16>) -> u32 {
+fn unused_key(map: &DashMap<u32, Arc<Registration>, FxBuildHasher>, slot: Option<u16>) -> u32 {
     loop {
         let r = random_u32();
         let key = match slot {
@@ -104,33 +140,65 @@ pub fn check_access(access: u32) -> Result<(), VerbsError> {
     Ok(())
 }
 
-impl MemoryRegion {
-    /// The argument checks of a registration (EINVAL), made before the memory is looked at.
-    pub fn validate(addr: u64, len: u64, iova: u64, access: u32) -> Result<(), VerbsError> {
-        check_access(access)?;
-        if len == 0 {
-            return Err(VerbsError::Invalid("zero-length memory region"));
-        }
-        if addr.checked_add(len).is_none() || iova.checked_add(len).is_none() {
-            return Err(VerbsError::Invalid("memory region wraps the address space"));
-        }
-        Ok(())
-    }
+/// Whether `[addr, addr + len)` is the whole address space: an implicit on-demand MR.
+pub fn is_whole_address_space(addr: u64, len: u64) -> bool {
+    addr == 0 && len == u64::MAX
+}
 
-    pub fn register(
+/// Checks a host-memory registration's arguments (`ibv_reg_mr`, `ibv_rereg_mr`).
+fn check_host_registration(region: &AppRegion, iova: u64, access: u32) -> Result<(), VerbsError> {
+    check_access(access)?;
+    if region.is_empty() {
+        return Err(VerbsError::Invalid("zero-length memory region"));
+    }
+    if region.is_on_demand() != (access & ACCESS_ON_DEMAND != 0) {
+        return Err(VerbsError::Invalid(
+            "on-demand paging and the region's kind disagree",
+        ));
+    }
+    if is_whole_address_space(region.addr(), region.len()) {
+        // Implicit ODP: the whole address space, at its own addresses.
+        if !region.is_on_demand() || iova != 0 {
+            return Err(VerbsError::Invalid(
+                "the whole address space is registered only as implicit ODP (iova 0)",
+            ));
+        }
+        return Ok(());
+    }
+    if region.addr().checked_add(region.len()).is_none() || iova.checked_add(region.len()).is_none()
+    {
+        return Err(VerbsError::Invalid("memory region wraps the address space"));
+    }
+    Ok(())
+}
+
+/// A direct-access slot for a registration that grants remote access to pinned memory
+/// (on-demand memory stays on the message path, where the responder checks each access
+/// against the mappings), and the rkey naming it; None when the path is off or full.
+fn direct_slot(access: u32, region: &AppRegion) -> Option<(u16, u32)> {
+    let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
+    if !remote || region.is_on_demand() {
+        return None;
+    }
+    let slot = Engine::local_memory()?.allocate_region_slot()?;
+    Some((slot, unused_key(&BY_RKEY, Some(slot))))
+}
+
+impl Registration {
+    /// A registration with the given keys, published for the direct path when it grants
+    /// remote access to pinned memory (on-demand memory stays on the message path, where the
+    /// responder checks each access against the mappings).
+    fn new(
         pd: &Arc<ProtectionDomain>,
         region: AppRegion,
         iova: u64,
         access: u32,
-    ) -> Result<Arc<MemoryRegion>, VerbsError> {
-        Self::validate(region.addr(), region.len(), iova, access)?;
+        dm: Option<Arc<DeviceMemory>>,
+        (lkey, rkey, slot): (u32, u32, Option<u16>),
+    ) -> Arc<Registration> {
         let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
-        let memory = Engine::local_memory().filter(|_| remote);
-        let slot = memory.and_then(|m| m.allocate_region_slot());
-        let lkey = unused_key(&BY_LKEY, None);
-        let rkey = unused_key(&BY_RKEY, slot);
-        let published = match (memory, slot) {
-            (Some(m), Some(s)) => m.publish_region(
+        let published = match (Engine::local_memory(), slot) {
+            (Some(m), Some(s)) if remote && !region.is_on_demand() => m.publish_region(
                 s,
                 &RegionView {
                     rkey,
@@ -143,46 +211,269 @@ impl MemoryRegion {
             ),
             _ => None,
         };
-        let mr = Arc::new(MemoryRegion {
+        Arc::new(Registration {
             pd: Arc::clone(pd),
             region,
             iova,
             access,
             lkey,
             rkey,
+            dm,
             published: Mutex::new(published),
             slot,
-        });
-        pd.adopt_child();
-        BY_LKEY.insert(lkey, Arc::clone(&mr));
-        BY_RKEY.insert(rkey, Arc::clone(&mr));
-        Ok(mr)
+        })
     }
 
-    /// Revokes the keys at once; operations already holding the MR finish, and no same-host
-    /// peer reads or writes it directly once this returns.
-    pub fn deregister(&self) {
-        BY_LKEY.remove(&self.lkey);
-        BY_RKEY.remove(&self.rkey);
+    /// Stops same-host peers reaching it: once this returns, nothing more lands.
+    fn withdraw(&self) {
         let published = self
             .published
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        if let Some(m) = Engine::local_memory() {
-            if let Some(p) = published {
-                m.withdraw_region(p);
-            }
-            if let Some(s) = self.slot {
-                m.free_region_slot(s);
-            }
+        if let (Some(m), Some(p)) = (Engine::local_memory(), published) {
+            m.withdraw_region(p);
         }
-        self.pd.release_child();
+    }
+
+    /// Whether it is an on-demand-paging registration (explicit or implicit).
+    pub fn is_on_demand(&self) -> bool {
+        self.region.is_on_demand()
     }
 }
 
+impl MemoryRegion {
+    /// The argument checks of a pinned registration (EINVAL), made before the memory is
+    /// looked at.
+    pub fn validate(addr: u64, len: u64, iova: u64, access: u32) -> Result<(), VerbsError> {
+        check_access(access)?;
+        if len == 0 {
+            return Err(VerbsError::Invalid("zero-length memory region"));
+        }
+        if addr.checked_add(len).is_none() || iova.checked_add(len).is_none() {
+            return Err(VerbsError::Invalid("memory region wraps the address space"));
+        }
+        Ok(())
+    }
+
+    fn adopt(reg: Arc<Registration>) -> Arc<MemoryRegion> {
+        reg.pd.adopt_child();
+        if let Some(dm) = &reg.dm {
+            dm.adopt_user();
+        }
+        BY_LKEY.insert(reg.lkey, Arc::clone(&reg));
+        BY_RKEY.insert(reg.rkey, Arc::clone(&reg));
+        Arc::new(MemoryRegion {
+            current: Mutex::new(reg),
+            windows: AtomicUsize::new(0),
+        })
+    }
+
+    /// `ibv_reg_mr` of host memory (`region` is on-demand exactly when `access` has
+    /// `IBV_ACCESS_ON_DEMAND`; addr 0 and length `u64::MAX` is implicit ODP).
+    pub fn register(
+        pd: &Arc<ProtectionDomain>,
+        region: AppRegion,
+        iova: u64,
+        access: u32,
+    ) -> Result<Arc<MemoryRegion>, VerbsError> {
+        check_host_registration(&region, iova, access)?;
+        let lkey = unused_key(&BY_LKEY, None);
+        let keys = match direct_slot(access, &region) {
+            Some((slot, rkey)) => (lkey, rkey, Some(slot)),
+            None => (lkey, unused_key(&BY_RKEY, None), None),
+        };
+        Ok(Self::adopt(Registration::new(
+            pd, region, iova, access, None, keys,
+        )))
+    }
+
+    /// `ibv_reg_dm_mr`: `[offset, offset + length)` of device memory, zero-based (the MR's
+    /// address 0 is the DM's byte `offset`).
+    pub fn register_device_memory(
+        pd: &Arc<ProtectionDomain>,
+        dm: &Arc<DeviceMemory>,
+        offset: u64,
+        length: u64,
+        access: u32,
+    ) -> Result<Arc<MemoryRegion>, VerbsError> {
+        if access & ACCESS_ZERO_BASED == 0 || access & !DM_ACCESS != 0 {
+            return Err(VerbsError::Invalid(
+                "device memory MRs are zero-based (IBV_ACCESS_ZERO_BASED) without other flags",
+            ));
+        }
+        check_access(access & !ACCESS_ZERO_BASED)?;
+        if length == 0 {
+            return Err(VerbsError::Invalid("zero-length memory region"));
+        }
+        if !Arc::ptr_eq(&dm.context, &pd.context) {
+            return Err(VerbsError::Invalid("device memory of another context"));
+        }
+        let region = dm.region(offset, length)?;
+        let lkey = unused_key(&BY_LKEY, None);
+        let keys = match direct_slot(access, &region) {
+            Some((slot, rkey)) => (lkey, rkey, Some(slot)),
+            None => (lkey, unused_key(&BY_RKEY, None), None),
+        };
+        Ok(Self::adopt(Registration::new(
+            pd,
+            region,
+            0,
+            access,
+            Some(Arc::clone(dm)),
+            keys,
+        )))
+    }
+
+    fn current(&self) -> std::sync::MutexGuard<'_, Arc<Registration>> {
+        self.current.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The registration in force.
+    pub fn registration(&self) -> Arc<Registration> {
+        Arc::clone(&self.current())
+    }
+
+    pub fn lkey(&self) -> u32 {
+        self.current().lkey
+    }
+
+    pub fn rkey(&self) -> u32 {
+        self.current().rkey
+    }
+
+    /// A memory window was bound to this region (type 1 bind, or a type 2 bind WR).
+    pub fn adopt_window(&self) {
+        self.windows.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A memory window bound to this region was unbound, invalidated or deallocated.
+    pub fn release_window(&self) {
+        self.windows.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// `ibv_rereg_mr`: replaces the registration by one of `pd`, `region` at `iova` and
+    /// `access` (the caller passes the old values for what does not change). Conceptually a
+    /// deregistration then a registration: operations already holding the old one finish,
+    /// same-host peers are fenced off the old memory before this returns and see the new one
+    /// afterwards. The lkey stays; the rkey stays unless the new registration is published
+    /// for the direct path, which takes a new slot and so a new rkey (rdma-core reports the
+    /// keys after every re-registration): the new one is published while the old one still
+    /// holds the shared pages, then the old one is withdrawn. On failure nothing changed.
+    pub fn reregister(
+        &self,
+        pd: &Arc<ProtectionDomain>,
+        region: AppRegion,
+        iova: u64,
+        access: u32,
+    ) -> Result<(), VerbsError> {
+        let mut current = self.current();
+        if self.windows.load(Ordering::Acquire) != 0 {
+            return Err(VerbsError::Busy("memory windows are bound to the region"));
+        }
+        if current.dm.is_some() {
+            return Err(VerbsError::Invalid(
+                "device memory MRs cannot be re-registered",
+            ));
+        }
+        if !Arc::ptr_eq(&pd.context, &current.pd.context) {
+            return Err(VerbsError::Invalid("protection domain of another context"));
+        }
+        check_host_registration(&region, iova, access)?;
+        let old = Arc::clone(&current);
+        let keys = match direct_slot(access, &region) {
+            Some((slot, rkey)) => (old.lkey, rkey, Some(slot)),
+            None => (old.lkey, old.rkey, None),
+        };
+        // Published (in its own slot) while the old registration still keeps the pages
+        // shared, so the same pages stay on the direct path.
+        let new = Registration::new(pd, region, iova, access, None, keys);
+        if !Arc::ptr_eq(&new.pd, &old.pd) {
+            new.pd.adopt_child();
+            old.pd.release_child();
+        }
+        BY_LKEY.insert(new.lkey, Arc::clone(&new));
+        if new.rkey != old.rkey {
+            BY_RKEY.remove(&old.rkey);
+        }
+        BY_RKEY.insert(new.rkey, Arc::clone(&new));
+        *current = new;
+        // Same-host peers fenced off the old one: once this returns nothing lands there.
+        old.withdraw();
+        if let (Some(m), Some(s)) = (Engine::local_memory(), old.slot) {
+            m.free_region_slot(s);
+        }
+        Ok(())
+    }
+
+    /// Revokes the keys at once; operations already holding the MR finish, and no same-host
+    /// peer reads or writes it directly once this returns.
+    pub fn deregister(&self) {
+        let reg = Arc::clone(&self.current());
+        BY_LKEY.remove(&reg.lkey);
+        BY_RKEY.remove(&reg.rkey);
+        reg.withdraw();
+        if let (Some(m), Some(s)) = (Engine::local_memory(), reg.slot) {
+            m.free_region_slot(s);
+        }
+        if let Some(dm) = &reg.dm {
+            dm.release_user();
+        }
+        reg.pd.release_child();
+    }
+}
+
+/// `ibv_advise_mr`: checks the advice as a device with on-demand paging does. Nothing needs
+/// prefetching (software reaches pages when it copies), so a valid advice is done at once.
+/// Unknown advice: EOPNOTSUPP; unknown flags or no SGEs: EINVAL; an lkey that is not an
+/// on-demand MR of `pd` (or not writable for PREFETCH_WRITE): ENOENT; a range outside its MR,
+/// or (for the faulting advices) not mapped: EFAULT.
+pub fn advise(
+    pd: &Arc<ProtectionDomain>,
+    advice: u32,
+    flags: u32,
+    sges: &[Sge],
+) -> Result<(), VerbsError> {
+    if advice > ADVICE_PREFETCH_NO_FAULT {
+        return Err(VerbsError::Unsupported("advice"));
+    }
+    if flags & !ADVISE_FLAG_FLUSH != 0 {
+        return Err(VerbsError::Invalid("advise flags"));
+    }
+    if sges.is_empty() {
+        return Err(VerbsError::Invalid("no scatter/gather elements"));
+    }
+    let write = advice == ADVICE_PREFETCH_WRITE;
+    for sge in sges {
+        let reg = BY_LKEY
+            .get(&sge.lkey)
+            .map(|r| Arc::clone(r.value()))
+            .filter(|r| Arc::ptr_eq(&r.pd, pd) && r.is_on_demand())
+            .filter(|r| !write || r.access & ACCESS_LOCAL_WRITE != 0)
+            .ok_or(VerbsError::NotFound(
+                "lkey is not a (writable) on-demand MR of this PD",
+            ))?;
+        let outside = VerbsError::BadAddress("range outside the MR");
+        let offset = sge.addr.checked_sub(reg.iova).ok_or(outside.clone())?;
+        let start = reg
+            .region
+            .addr()
+            .checked_add(offset)
+            .ok_or(outside.clone())?;
+        let len = u64::from(sge.length);
+        if !reg.region.contains(start, len) {
+            return Err(outside);
+        }
+        if advice != ADVICE_PREFETCH_NO_FAULT && reg.region.span_for(start, len, write).is_none() {
+            return Err(VerbsError::BadAddress("range not mapped"));
+        }
+    }
+    Ok(())
+}
+
 /// Checks a remote access as the responder's HCA does: the rkey names a live MR of the QP's
-/// PD that grants `access`, and `[addr, addr + len)` (in the MR's iova space) lies inside it.
+/// PD that grants `access`, and `[addr, addr + len)` (in the MR's iova space) lies inside it
+/// (and, in an on-demand MR, is mapped now: an unmapped page is a remote access error).
 pub fn remote_span(
     pd: &Arc<ProtectionDomain>,
     rkey: u32,
@@ -196,11 +487,13 @@ pub fn remote_span(
     }
     let offset = addr.checked_sub(mr.iova)?;
     let start = mr.region.addr().checked_add(offset)?;
-    mr.region.span(start, len)
+    let write = access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0;
+    mr.region.span_for(start, len, write)
 }
 
-/// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, and local write for
-/// receive buffers) and returns the spans; `None` is a local protection error.
+/// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, local write for receive
+/// buffers, and for on-demand MRs that the range is mapped now) and returns the spans; `None`
+/// is a local protection error.
 pub fn local_spans(
     pd: &Arc<ProtectionDomain>,
     sges: &[Sge],
@@ -221,7 +514,105 @@ pub fn local_spans(
         // The SGE address is in the MR's iova space; translate to the process address.
         let offset = sge.addr.checked_sub(mr.iova)?;
         let addr = mr.region.addr().checked_add(offset)?;
-        spans.push(mr.region.span(addr, u64::from(sge.length))?);
+        spans.push(
+            mr.region
+                .span_for(addr, u64::from(sge.length), need_write)?,
+        );
     }
     Some(spans)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake_verbs::context::DeviceContext;
+
+    fn pd() -> Arc<ProtectionDomain> {
+        ProtectionDomain::new(Arc::new(DeviceContext::new().expect("context")))
+    }
+
+    const ODP_RW: u32 = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_ON_DEMAND;
+
+    #[test]
+    fn a_region_with_bound_windows_is_busy_for_reregistration() {
+        let pd = pd();
+        let buf = vec![0u8; 8192];
+        let a = buf.as_ptr() as u64;
+        let mr = MemoryRegion::register(&pd, AppRegion::on_demand(a, 8192), a, ODP_RW).unwrap();
+        let lkey = mr.lkey();
+        mr.adopt_window();
+        let busy = mr.reregister(&pd, AppRegion::on_demand(a, 4096), a, ODP_RW);
+        assert!(matches!(busy, Err(VerbsError::Busy(_))), "{busy:?}");
+        assert_eq!(busy.unwrap_err().errno(), libc::EBUSY);
+        assert_eq!(mr.registration().region.len(), 8192, "unchanged");
+        mr.release_window();
+        mr.reregister(&pd, AppRegion::on_demand(a, 4096), a, ODP_RW)
+            .unwrap();
+        assert_eq!(mr.registration().region.len(), 4096);
+        assert_eq!(mr.lkey(), lkey, "the lkey stays");
+        assert!(remote_span(&pd, mr.rkey(), a + 4000, 96, ACCESS_REMOTE_WRITE).is_some());
+        assert!(
+            remote_span(&pd, mr.rkey(), a + 4000, 97, ACCESS_REMOTE_WRITE).is_none(),
+            "the old length is gone"
+        );
+        mr.deregister();
+        assert_eq!(pd.check_deallocatable(), Ok(()));
+    }
+
+    #[test]
+    fn on_demand_spans_are_cut_only_from_mapped_memory() {
+        let pd = pd();
+        let whole = || AppRegion::on_demand(0, u64::MAX);
+        let mr = MemoryRegion::register(&pd, whole(), 0, ODP_RW).unwrap();
+        let local = [7u64; 4];
+        let a = local.as_ptr() as u64;
+        assert!(remote_span(&pd, mr.rkey(), a, 32, ACCESS_REMOTE_WRITE).is_some());
+        assert!(
+            remote_span(&pd, mr.rkey(), 8, 8, ACCESS_REMOTE_WRITE).is_none(),
+            "page 0"
+        );
+        let text = on_demand_spans_are_cut_only_from_mapped_memory as *const () as u64;
+        assert!(
+            remote_span(&pd, mr.rkey(), text, 8, ACCESS_REMOTE_WRITE).is_none(),
+            "code is not writable"
+        );
+        let sge = |addr| Sge {
+            addr,
+            length: 8,
+            lkey: mr.lkey(),
+        };
+        assert!(
+            local_spans(&pd, &[sge(text)], false).is_some(),
+            "code is readable"
+        );
+        assert!(local_spans(&pd, &[sge(text)], true).is_none());
+        assert!(local_spans(&pd, &[sge(16)], false).is_none());
+        // Implicit ODP needs the on-demand flag and iova 0.
+        assert!(MemoryRegion::register(&pd, whole(), 4096, ODP_RW).is_err());
+        assert!(MemoryRegion::register(&pd, whole(), 0, ACCESS_LOCAL_WRITE).is_err());
+        mr.deregister();
+    }
+
+    #[test]
+    fn device_memory_regions_are_zero_based_and_keep_their_memory_busy() {
+        let pd = pd();
+        let dm = DeviceMemory::allocate(&pd.context, 8192, 0).unwrap();
+        let rw = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE;
+        assert!(MemoryRegion::register_device_memory(&pd, &dm, 0, 4096, rw).is_err());
+        assert!(
+            MemoryRegion::register_device_memory(&pd, &dm, 4096, 4097, rw | ACCESS_ZERO_BASED)
+                .is_err()
+        );
+        let mr = MemoryRegion::register_device_memory(&pd, &dm, 4096, 4096, rw | ACCESS_ZERO_BASED)
+            .unwrap();
+        let span = remote_span(&pd, mr.rkey(), 100, 8, ACCESS_REMOTE_WRITE).unwrap();
+        assert_eq!(span.addr(), dm.span(4096 + 100, 8).unwrap().addr());
+        assert!(remote_span(&pd, mr.rkey(), 4090, 8, ACCESS_REMOTE_WRITE).is_none());
+        assert!(matches!(dm.check_freeable(), Err(VerbsError::Busy(_))));
+        let moved = mr.reregister(&pd, AppRegion::on_demand(0, u64::MAX), 0, ODP_RW);
+        assert!(matches!(moved, Err(VerbsError::Invalid(_))), "{moved:?}");
+        mr.deregister();
+        assert_eq!(dm.check_freeable(), Ok(()));
+        assert!(matches!(dm.span(8000, 193), Err(VerbsError::Invalid(_))));
+    }
 }

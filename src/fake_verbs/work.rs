@@ -193,6 +193,11 @@ pub struct WorkCompletion {
     pub slid: u16,
     pub sl: u8,
     pub dlid_path_bits: u8,
+    /// The device clock when the completion reached its CQ (`clock::raw_clock`), if the CQ
+    /// asked for it (`IBV_WC_EX_WITH_COMPLETION_TIMESTAMP`), else 0.
+    pub completion_ts: u64,
+    /// The wall clock then, in ns since the epoch (`..._TIMESTAMP_WALLCLOCK`), else 0.
+    pub completion_wallclock_ns: u64,
 }
 
 impl WorkCompletion {
@@ -212,6 +217,8 @@ impl WorkCompletion {
             slid: 0,
             sl: 0,
             dlid_path_bits: 0,
+            completion_ts: 0,
+            completion_wallclock_ns: 0,
         }
     }
 }

@@ -30,6 +30,18 @@
 //! Dropping the region (its MR deregistered and released) retires the cell the same way;
 //! while UCX still holds spans of it, it stays in the registry, dead, so that unmapping its
 //! range still waits for those transfers (as a HCA fences DMA before deregistration ends).
+//!
+//! **On-demand paging.** An on-demand-paging region ([`AppRegion::on_demand`],
+//! `IBV_ACCESS_ON_DEMAND`) carries no pinning promise: the application may map and unmap
+//! inside it at will, as it may with ODP hardware. Its spans are cut only after the process's
+//! mappings show the range mapped with the permissions the access needs ([`super::mappings`]),
+//! so an unmapped address is refused (an access error) instead of faulting. Invalidation
+//! therefore never kills such a region (the MR stays usable; accesses to pages unmapped since
+//! fail their mapping check, a remote one with REM_ACCESS_ERR). It does what a HCA's MMU
+//! notifier does instead: between [`invalidate_range`] and the drop of the [`Invalidation`] it
+//! returns (the libc hooks keep it across the real call) the cell counts a change in progress;
+//! an access waits for it to end (its hold), and the first access to a span cut before the
+//! change rechecks the span's mapping, while holding, so no copy reaches pages that went away.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -42,6 +54,11 @@ pub struct Liveness {
     state: AtomicU64,
     /// Accesses in progress on the region (held copies, and UCX transfers in flight).
     busy: AtomicUsize,
+    /// On-demand regions: mapping changes in progress over the region (see the module comment).
+    changing: AtomicUsize,
+    /// On-demand regions: mapping changes over the region that ended (a span cut at an older
+    /// count rechecks its mapping when it is held).
+    changes: AtomicU64,
 }
 
 /// A span's (or region's) reference to its cell, at the generation it was cut in.
@@ -49,6 +66,14 @@ pub struct Liveness {
 struct Pin {
     cell: &'static Liveness,
     live: u64,
+}
+
+/// What an on-demand span was checked for: the cell's change count when it was cut, and
+/// whether it needed writable memory.
+#[derive(Debug, Clone, Copy)]
+struct Checked {
+    changes: u64,
+    write: bool,
 }
 
 /// An access in progress on a live region (or on ugdr's own memory, which needs none); the
@@ -96,6 +121,8 @@ struct Registered {
     pin: Pin,
     /// Registered for writing (local or remote): losing write permission kills it too.
     writable: bool,
+    /// On-demand paging: invalidation marks a change in progress instead of killing it.
+    on_demand: bool,
     /// Its region was dropped (the MR deregistered) while transfers on it were in flight: it
     /// stays here, dead, so that unmapping the range still waits for them, until they end.
     retired: bool,
@@ -114,7 +141,9 @@ impl Registry {
         let mut i = 0;
         while i < self.regions.len() {
             let r = &self.regions[i];
-            if r.retired && r.pin.cell.busy.load(Ordering::SeqCst) == 0 {
+            let idle = r.pin.cell.busy.load(Ordering::SeqCst) == 0
+                && r.pin.cell.changing.load(Ordering::SeqCst) == 0;
+            if r.retired && idle {
                 let cell = self.regions.swap_remove(i).pin.cell;
                 self.spare.push(cell);
             } else {
@@ -166,15 +195,36 @@ pub enum Loss {
     Write,
 }
 
-/// Marks the registered regions overlapping `[start, start + len)` that `loss` affects dead,
-/// then waits until no access is in progress on any of them (at most [`DRAIN_LIMIT`]). Called
-/// before the memory goes (see the module comment); cheap when nothing is registered.
-pub fn invalidate_range(start: u64, len: u64, loss: Loss) {
+/// A mapping change over on-demand regions in progress (see the module comment): dropping it,
+/// once the change is made, ends it.
+#[must_use = "the change ends when this is dropped, after the memory changed"]
+pub struct Invalidation {
+    cells: smallvec::SmallVec<[&'static Liveness; 4]>,
+}
+
+impl Drop for Invalidation {
+    fn drop(&mut self) {
+        for cell in &self.cells {
+            cell.changes.fetch_add(1, Ordering::SeqCst);
+            cell.changing.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Marks the registered regions overlapping `[start, start + len)` that `loss` affects dead
+/// (on-demand ones: changing, until the returned [`Invalidation`] drops), then waits until no
+/// access is in progress on any of them (at most [`DRAIN_LIMIT`]). Called before the memory
+/// goes (see the module comment); cheap when nothing is registered.
+pub fn invalidate_range(start: u64, len: u64, loss: Loss) -> Invalidation {
+    let mut changed = Invalidation {
+        cells: smallvec::SmallVec::new(),
+    };
     if len == 0 || !anything_registered() || UPDATING.get() {
-        return;
+        return changed;
     }
     let end = start.saturating_add(len);
     let deadline = Instant::now() + DRAIN_LIMIT;
+    let mut first = true;
     loop {
         // Kill every overlapping region, and note (without allocating) up to 16 with accesses
         // in progress; wait for those, and look again until none is left.
@@ -187,7 +237,12 @@ pub fn invalidate_range(start: u64, len: u64, loss: Loss) {
                 .filter(|r| r.start < end && start < r.end)
                 .filter(|r| loss == Loss::Pages || r.writable)
             {
-                if r.pin.kill() {
+                if r.on_demand {
+                    if first && !r.retired {
+                        r.pin.cell.changing.fetch_add(1, Ordering::SeqCst);
+                        changed.cells.push(r.pin.cell);
+                    }
+                } else if r.pin.kill() {
                     tracing::debug!(
                         "registered memory {:#x}+{:#x} invalidated: unmapped or replaced",
                         r.start,
@@ -201,12 +256,13 @@ pub fn invalidate_range(start: u64, len: u64, loss: Loss) {
             }
             registry.sweep();
         });
+        first = false;
         if busy[0].is_none() {
-            return;
+            return changed;
         }
         for cell in busy.iter().flatten() {
             if !drain(cell, deadline) {
-                return;
+                return changed;
             }
         }
     }
@@ -230,6 +286,8 @@ pub struct AppRegion {
     addr: u64,
     len: u64,
     pin: Pin,
+    /// On-demand paging: check the mappings before cutting each span.
+    on_demand: bool,
 }
 
 impl std::fmt::Debug for Pin {
@@ -245,6 +303,8 @@ pub struct AppSpan {
     len: usize,
     /// The region's cell; `None` for ugdr's own memory, which never goes away under it.
     pin: Option<Pin>,
+    /// On-demand spans: what their mapping was checked for (see the module comment).
+    checked: Option<Checked>,
 }
 
 impl AppRegion {
@@ -254,6 +314,18 @@ impl AppRegion {
     /// deregistered and no operation on it is outstanding), or until [`invalidate_range`]
     /// covering it returns, which the libc calls that take memory away call first.
     pub unsafe fn new(addr: u64, len: u64, writable: bool) -> AppRegion {
+        Self::registered(addr, len, writable, false)
+    }
+
+    /// An on-demand-paging region: nothing is promised about the range (it may be unmapped,
+    /// or the whole address space: `addr` 0, `len` `u64::MAX`); every span is checked against
+    /// the process's mappings when it is cut (and again after a mapping change over it).
+    pub fn on_demand(addr: u64, len: u64) -> AppRegion {
+        Self::registered(addr, len, true, true)
+    }
+
+    /// A region with a live cell, in the registry that [`invalidate_range`] searches.
+    fn registered(addr: u64, len: u64, writable: bool, on_demand: bool) -> AppRegion {
         let pin = updating(|registry| {
             let pin = match registry.spare.pop() {
                 Some(cell) => Pin {
@@ -264,6 +336,8 @@ impl AppRegion {
                     cell: Box::leak(Box::new(Liveness {
                         state: AtomicU64::new(1),
                         busy: AtomicUsize::new(0),
+                        changing: AtomicUsize::new(0),
+                        changes: AtomicU64::new(0),
                     })),
                     live: 1,
                 },
@@ -273,12 +347,22 @@ impl AppRegion {
                 end: addr.saturating_add(len),
                 pin,
                 writable,
+                on_demand,
                 retired: false,
             });
             registry.sweep();
             pin
         });
-        AppRegion { addr, len, pin }
+        AppRegion {
+            addr,
+            len,
+            pin,
+            on_demand,
+        }
+    }
+
+    pub fn is_on_demand(&self) -> bool {
+        self.on_demand
     }
 
     pub fn addr(&self) -> u64 {
@@ -293,23 +377,132 @@ impl AppRegion {
         self.len == 0
     }
 
-    /// False once the memory was unmapped or replaced (or the region dropped).
+    /// False once the memory was unmapped or replaced (or the region dropped); an on-demand
+    /// region lives until it is dropped.
     pub fn is_live(&self) -> bool {
         self.pin.is_live()
     }
 
-    /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe).
+    /// Whether `[addr, addr + len)` lies inside this region (overflow-safe).
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        match (addr.checked_add(len), self.addr.checked_add(self.len)) {
+            (Some(end), Some(region_end)) => addr >= self.addr && end <= region_end,
+            _ => false,
+        }
+    }
+
+    /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe), for reads
+    /// and writes.
     pub fn span(&self, addr: u64, len: u64) -> Option<AppSpan> {
+        self.span_for(addr, len, true)
+    }
+
+    /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe) and, for an
+    /// on-demand region, is mapped now, readable, and writable when `write`.
+    pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;
         let region_end = self.addr.checked_add(self.len)?;
         if addr < self.addr || end > region_end {
             return None;
         }
+        let len = usize::try_from(len).ok()?;
+        let mut checked = None;
+        if self.on_demand && len > 0 {
+            // The change count first: a change that ends after the check makes the first hold
+            // check again.
+            let changes = self.pin.cell.changes.load(Ordering::SeqCst);
+            if let Err(e) = super::mappings::check(addr, len as u64, write) {
+                tracing::debug!("on-demand access to {addr:#x}+{len}: {e}");
+                return None;
+            }
+            checked = Some(Checked { changes, write });
+        }
+        Some(AppSpan {
+            addr,
+            len,
+            pin: Some(self.pin),
+            checked,
+        })
+    }
+}
+
+/// Memory ugdr owns for the application (device memory, `ibv_alloc_dm`): a private anonymous
+/// mapping, page-aligned and zeroed, unmapped on drop. Its owner keeps it alive while any
+/// region or span cut from it is in use (a DM lives until its last MR is gone).
+#[derive(Debug)]
+pub struct HostBuffer {
+    addr: u64,
+    len: u64,
+}
+
+impl HostBuffer {
+    /// `len` bytes (> 0) of fresh zeroed memory.
+    pub fn new(len: u64) -> std::io::Result<HostBuffer> {
+        let size = usize::try_from(len)
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: a new anonymous mapping at an address the kernel picks; no existing memory
+        // is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(HostBuffer {
+            addr: p as u64,
+            len,
+        })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The process address of byte `offset` and whether `[offset, offset + len)` is inside.
+    fn inside(&self, offset: u64, len: u64) -> Option<u64> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then_some(self.addr + offset)
+    }
+
+    /// `[offset, offset + len)` as registrable memory (`ibv_reg_dm_mr`): a region of its own
+    /// (with its own cell), valid while `self` lives (see the type).
+    pub fn region(&self, offset: u64, len: u64) -> Option<AppRegion> {
+        let addr = self.inside(offset, len)?;
+        // SAFETY: the buffer's own mapping, kept by its owner while the region is in use.
+        Some(unsafe { AppRegion::new(addr, len, true) })
+    }
+
+    /// `[offset, offset + len)` for a copy by ugdr itself (`ibv_memcpy_to/from_dm`); valid
+    /// while `self` lives.
+    pub fn span(&self, offset: u64, len: u64) -> Option<AppSpan> {
+        let addr = self.inside(offset, len)?;
         Some(AppSpan {
             addr,
             len: usize::try_from(len).ok()?,
-            pin: Some(self.pin),
+            pin: None,
+            checked: None,
         })
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once; no span of it is in use any more
+        // (the owner's contract).
+        unsafe { libc::munmap(self.addr as usize as *mut libc::c_void, self.len as usize) };
     }
 }
 
@@ -342,6 +535,7 @@ impl AppSpan {
             addr: bytes.as_ptr() as u64,
             len: bytes.len(),
             pin: None,
+            checked: None,
         }
     }
 
@@ -365,11 +559,13 @@ impl AppSpan {
                 addr: self.addr,
                 len: n,
                 pin: self.pin,
+                checked: self.checked,
             },
             AppSpan {
                 addr: self.addr + n as u64,
                 len: self.len - n,
                 pin: self.pin,
+                checked: self.checked,
             },
         )
     }
@@ -383,9 +579,28 @@ impl AppSpan {
     /// Holds the span's region for an access; `None` once the region died (see the module
     /// comment). Keep the hold until the access (or UCX's use of the buffer) is over.
     pub fn hold(&self) -> Option<Hold> {
-        match &self.pin {
-            Some(pin) => pin.hold(),
-            None => Some(Hold(None)),
+        let Some(pin) = &self.pin else {
+            return Some(Hold(None));
+        };
+        let Some(checked) = self.checked else {
+            return pin.hold();
+        };
+        // On-demand: wait out a mapping change in progress over the region (each ends within
+        // its libc call); after one that ended since the span was cut, check again, held (so
+        // no change starts meanwhile).
+        let cell = pin.cell;
+        loop {
+            let hold = pin.hold()?;
+            if cell.changing.load(Ordering::SeqCst) == 0 {
+                if cell.changes.load(Ordering::SeqCst) == checked.changes {
+                    return Some(hold);
+                }
+                return super::mappings::check(self.addr, self.len as u64, checked.write)
+                    .is_ok()
+                    .then_some(hold);
+            }
+            drop(hold);
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
 
@@ -489,7 +704,7 @@ mod tests {
         };
         let sa = ra.span(ra.addr() + 8, 8).unwrap();
         let sb = rb.span(rb.addr(), 8).unwrap();
-        invalidate_range(ra.addr() + 60, 100, Loss::Pages); // overlaps a's last 4 bytes only
+        drop(invalidate_range(ra.addr() + 60, 100, Loss::Pages)); // overlaps a's last 4 bytes only
         assert!(!ra.is_live() && rb.is_live());
         assert_eq!(scatter(&[sa, sb], &[1u8; 16]), 16);
         assert_eq!(gather(&[sa, sb]), [[0u8; 8], [1u8; 8]].concat());
@@ -516,7 +731,7 @@ mod tests {
             drop(held);
         });
         let t = Instant::now();
-        invalidate_range(addr, 4096, Loss::Pages);
+        drop(invalidate_range(addr, 4096, Loss::Pages));
         assert!(
             t.elapsed() >= Duration::from_millis(150),
             "returned after {:?}, before the transfer ended",
@@ -524,6 +739,62 @@ mod tests {
         );
         release.join().unwrap();
         drop(buf);
+    }
+
+    #[test]
+    fn unmapping_inside_an_on_demand_region_keeps_it_and_fails_only_the_unmapped_spans() {
+        let page = 4096usize;
+        // SAFETY: a fresh anonymous mapping of two pages.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                2 * page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let addr = p as u64;
+        let region = AppRegion::on_demand(addr, 2 * page as u64);
+        let first = region.span_for(addr, 8, true).expect("mapped");
+        let second = region
+            .span_for(addr + page as u64, 8, true)
+            .expect("mapped");
+        let changing = invalidate_range(addr, page as u64, Loss::Pages);
+        assert!(
+            region.is_live(),
+            "an on-demand region survives invalidation"
+        );
+        // An access during the change waits for it to end, then finds the page gone.
+        let waiter = std::thread::spawn(move || {
+            let t = Instant::now();
+            (first.hold().is_some(), t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(150));
+        // SAFETY: the first page of the mapping made above, unmapped by the raw system call.
+        assert_eq!(unsafe { libc::syscall(libc::SYS_munmap, p, page) }, 0);
+        drop(changing);
+        let (held, waited) = waiter.join().unwrap();
+        assert!(
+            !held,
+            "a span cut before the unmap reached the unmapped page"
+        );
+        assert!(
+            waited >= Duration::from_millis(100),
+            "did not wait: {waited:?}"
+        );
+        assert!(region.span_for(addr, 8, false).is_none(), "unmapped now");
+        assert_eq!(scatter(&[second], &[5u8; 8]), 8);
+        assert_eq!(
+            gather(&[second]),
+            vec![5u8; 8],
+            "the other page still works"
+        );
+        drop(region);
+        // SAFETY: the second page, still mapped.
+        unsafe { libc::syscall(libc::SYS_munmap, addr + page as u64, page) };
     }
 
     #[test]

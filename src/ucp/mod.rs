@@ -13,6 +13,7 @@
 
 mod endpoint;
 mod library;
+pub mod mappings;
 mod memory;
 mod status;
 mod worker;
@@ -20,8 +21,8 @@ mod worker;
 pub use endpoint::{Endpoint, ErrorHandler, SendDone, SendPayload, SendState};
 pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
-    AppRegion, AppSpan, Hold, Loss, anything_registered, gather, hold_all, invalidate_range,
-    scatter,
+    AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, anything_registered, gather,
+    hold_all, invalidate_range, scatter,
 };
 pub use status::Error;
 pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};

@@ -2,46 +2,8 @@
  * ibv_post_send/ibv_post_recv/ibv_poll_cq/ibv_query_port, linked against libibverbs, run
  * with libugdr.so preloaded. Two RC QPs of this process exchange SENDs; every completion
  * field and the bytes are checked, then the error paths. Exit 0 only if all hold. */
-#include <infiniband/verbs.h>
+#include "verbs_test.h"
 #include <arpa/inet.h>
-#include <errno.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-    fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } } while (0)
-
-static int poll_one(struct ibv_cq *cq, struct ibv_wc *wc)
-{
-    struct timespec start, now;
-    clock_gettime(CLOCK_MONOTONIC, &start);
-    for (;;) {
-        int n = ibv_poll_cq(cq, 1, wc);
-        if (n != 0)
-            return n;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if (now.tv_sec - start.tv_sec > 10)
-            return 0;
-    }
-}
-
-static void to_rts(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn)
-{
-    struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = 1,
-                             .qp_access_flags = 0 };
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "INIT");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTR; a.path_mtu = IBV_MTU_1024; a.dest_qp_num = dqpn; a.rq_psn = 0;
-    a.max_dest_rd_atomic = 1; a.min_rnr_timer = 12; a.ah_attr.dlid = dlid; a.ah_attr.port_num = 1;
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                        IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) == 0, "RTR");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.sq_psn = 0; a.max_rd_atomic = 1;
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) == 0, "RTS");
-}
 
 int main(void)
 {
@@ -67,8 +29,8 @@ int main(void)
     struct ibv_qp *a = ibv_create_qp(pd, &init);
     struct ibv_qp *b = ibv_create_qp(pd, &init);
     CHECK(a && b, "create_qp: %s", strerror(errno));
-    to_rts(a, port.lid, b->qp_num);
-    to_rts(b, port.lid, a->qp_num);
+    to_rts(a, port.lid, b->qp_num, 0);
+    to_rts(b, port.lid, a->qp_num, 0);
 
     char *src = calloc(1, 8192), *dst = calloc(1, 8192);
     struct ibv_mr *smr = ibv_reg_mr(pd, src, 8192, IBV_ACCESS_LOCAL_WRITE);

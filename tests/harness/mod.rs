@@ -76,6 +76,22 @@ pub fn build_c(name: &str, libs: &[&str]) -> PathBuf {
     exe
 }
 
+/// Runs the test program `exe` with `args` under ugdr (as `what`, for at most 60 s): it must
+/// exit 0 and print the line `done`.
+pub fn run_checked_under_ugdr(exe: &std::path::Path, args: &[&str], what: &str, done: &str) {
+    let mut cmd = Command::new(exe);
+    cmd.args(args).env("LD_PRELOAD", lib_path());
+    let out = run(cmd, what, Duration::from_secs(60));
+    assert_success(&out, what);
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .any(|l| l == done),
+        "{what}: no line {done:?}\n{}",
+        text(&out)
+    );
+}
+
 /// A command with only libugdr.so preloaded.
 pub fn preloaded(program: &str, args: &[&str]) -> Command {
     let mut c = Command::new(require(program));

@@ -1,0 +1,287 @@
+//! Is `[addr, addr + len)` mapped in this process, readable (and writable)? Answered from the
+//! kernel's list of the process's mappings (`/proc/self/maps`: its PROCMAP_QUERY ioctl where
+//! the kernel has it, the text otherwise), without touching the memory.
+//! `ugdr_reg_mr` asks before it registers; on-demand-paging regions ask before every access
+//! (see [`super::AppRegion::on_demand`]), so an address the application never mapped, or
+//! unmapped since, is an access error instead of a fault.
+
+use std::fmt;
+
+/// One line of `/proc/<pid>/maps`: `[start, end)`, its read/write permissions, and the inode
+/// of what it maps (0 for anonymous memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub read: bool,
+    pub write: bool,
+    pub inode: u64,
+}
+
+/// Why a range is not usable memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    Wraps,
+    Unmapped,
+    NotReadable,
+    NotWritable,
+    /// `/proc/self/maps` could not be read (errno).
+    Unknown(i32),
+}
+
+impl Unusable {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Unusable::Wraps => "range wraps the address space",
+            Unusable::Unmapped => "memory is not mapped",
+            Unusable::NotReadable => "memory is not readable",
+            Unusable::NotWritable => "memory is not writable",
+            Unusable::Unknown(_) => "the process's mappings cannot be read",
+        }
+    }
+}
+
+impl fmt::Display for Unusable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.reason())
+    }
+}
+
+/// Parses one maps line (`start-end perms offset dev inode [path]`).
+fn parse_line(line: &str) -> Option<Mapping> {
+    let mut fields = line.split_ascii_whitespace();
+    let (start, end) = fields.next()?.split_once('-')?;
+    let perms = fields.next()?.as_bytes();
+    let inode = fields.nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
+    Some(Mapping {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        read: perms.first() == Some(&b'r'),
+        write: perms.get(1) == Some(&b'w'),
+        inode,
+    })
+}
+
+/// Parses `/proc/<pid>/maps` text, in order.
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines().filter_map(parse_line).collect()
+}
+
+/// Checks that consecutive `maps` (sorted, as the kernel lists them) cover the range with the
+/// permissions needed.
+pub fn check_range(
+    maps: impl IntoIterator<Item = Mapping>,
+    addr: u64,
+    len: u64,
+    write: bool,
+) -> Result<(), Unusable> {
+    let end = addr.checked_add(len).ok_or(Unusable::Wraps)?;
+    let mut covered = addr;
+    for m in maps {
+        if covered >= end {
+            break;
+        }
+        if m.end <= covered {
+            continue;
+        }
+        if m.start > covered {
+            break; // a hole
+        }
+        if !m.read {
+            return Err(Unusable::NotReadable);
+        }
+        if write && !m.write {
+            return Err(Unusable::NotWritable);
+        }
+        covered = m.end;
+    }
+    if covered < end {
+        return Err(Unusable::Unmapped);
+    }
+    Ok(())
+}
+
+/// `struct procmap_query` (linux/fs.h, Linux 6.11+): one mapping of the process, found by
+/// address with an ioctl on `/proc/<pid>/maps` instead of reading the whole list.
+#[repr(C)]
+#[derive(Default)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
+/// `_IOWR('f', 17, struct procmap_query)`.
+const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
+const VMA_READABLE: u64 = 1;
+const VMA_WRITABLE: u64 = 2;
+
+/// This process's `/proc/self/maps`, opened by the process that asks (a forked child opens
+/// its own), or None where the kernel does not answer PROCMAP_QUERY.
+static QUERY_FILE: std::sync::Mutex<Option<(u32, Option<std::fs::File>)>> =
+    std::sync::Mutex::new(None);
+
+/// The mapping covering `addr` (start, end, flags), None if there is none; Err when the
+/// kernel has no PROCMAP_QUERY (then the text is read instead).
+fn query(file: &std::fs::File, addr: u64) -> Result<Option<(u64, u64, u64)>, ()> {
+    use std::os::fd::AsRawFd;
+    let mut q = ProcmapQuery {
+        size: size_of::<ProcmapQuery>() as u64,
+        query_addr: addr,
+        ..Default::default()
+    };
+    // SAFETY: the ioctl reads and writes one `struct procmap_query` (its size given in
+    // `size`), asks for no name or build id (sizes 0), and touches nothing else.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+    if rc == 0 {
+        return Ok(Some((q.vma_start, q.vma_end, q.vma_flags)));
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::ENOENT) => Ok(None),
+        _ => Err(()),
+    }
+}
+
+/// The check by PROCMAP_QUERY (one ioctl per mapping the range crosses); None where the
+/// kernel lacks it.
+fn check_by_query(addr: u64, end: u64, write: bool) -> Option<Result<(), Unusable>> {
+    let mut slot = QUERY_FILE.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if slot.as_ref().is_none_or(|(owner, _)| *owner != pid) {
+        let file = std::fs::File::open("/proc/self/maps")
+            .ok()
+            .filter(|f| query(f, addr).is_ok());
+        *slot = Some((pid, file));
+    }
+    let file = slot.as_ref()?.1.as_ref()?;
+    let mut covered = addr;
+    while covered < end {
+        let (_, vma_end, flags) = match query(file, covered) {
+            Ok(Some(m)) => m,
+            Ok(None) => return Some(Err(Unusable::Unmapped)),
+            Err(()) => return None,
+        };
+        if flags & VMA_READABLE == 0 {
+            return Some(Err(Unusable::NotReadable));
+        }
+        if write && flags & VMA_WRITABLE == 0 {
+            return Some(Err(Unusable::NotWritable));
+        }
+        covered = vma_end;
+    }
+    Some(Ok(()))
+}
+
+/// Checks the range against this process's mappings now: by PROCMAP_QUERY where the kernel
+/// has it, else from the text, read only as far as the range's end (the kernel produces it
+/// in address order, a page at a time).
+pub fn check(addr: u64, len: u64, write: bool) -> Result<(), Unusable> {
+    use std::io::BufRead;
+    let end = addr.checked_add(len).ok_or(Unusable::Wraps)?;
+    if let Some(verdict) = check_by_query(addr, end, write) {
+        return verdict;
+    }
+    let file = std::fs::File::open("/proc/self/maps")
+        .map_err(|e| Unusable::Unknown(e.raw_os_error().unwrap_or(libc::EIO)))?;
+    let lines = std::io::BufReader::with_capacity(16 * 1024, file).lines();
+    let maps = lines
+        .map_while(Result::ok)
+        .filter_map(|l| parse_line(&l))
+        .take_while(|m| m.start < end);
+    check_range(maps, addr, len, write)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAPS: &str = "\
+00400000-00401000 r-xp 00000000 08:01 1 /bin/x
+00600000-00602000 rw-p 00000000 00:00 0
+00602000-00603000 rw-p 00000000 00:00 0 [heap]
+00700000-00701000 ---p 00000000 00:00 0
+00800000-00801000 r--p 00000000 00:00 0
+";
+
+    #[test]
+    fn parses_lines() {
+        let m = parse_maps(MAPS);
+        assert_eq!(m.len(), 5);
+        assert_eq!(
+            m[1],
+            Mapping {
+                start: 0x600000,
+                end: 0x602000,
+                read: true,
+                write: true,
+                inode: 0
+            }
+        );
+        assert!(!m[3].read);
+        assert_eq!(m[0].inode, 1);
+    }
+
+    #[test]
+    fn checks_cover_and_permissions() {
+        let m = parse_maps(MAPS);
+        let check = |a, l, w| check_range(m.iter().copied(), a, l, w);
+        assert_eq!(check(0x600100, 0x2000, true), Ok(()), "spans two mappings");
+        assert_eq!(
+            check(0x602800, 0x1000, false),
+            Err(Unusable::Unmapped),
+            "runs into a hole"
+        );
+        assert_eq!(check(0x500000, 8, false), Err(Unusable::Unmapped));
+        assert_eq!(check(0x700000, 8, false), Err(Unusable::NotReadable));
+        assert_eq!(check(0x800000, 8, false), Ok(()));
+        assert_eq!(check(0x800000, 8, true), Err(Unusable::NotWritable));
+        assert_eq!(check(u64::MAX - 1, 8, false), Err(Unusable::Wraps));
+    }
+
+    /// The text of the maps, checked as `check` does without PROCMAP_QUERY.
+    fn check_by_text(addr: u64, len: u64, write: bool) -> Result<(), Unusable> {
+        let text = std::fs::read_to_string("/proc/self/maps").unwrap();
+        check_range(parse_maps(&text), addr, len, write)
+    }
+
+    #[test]
+    fn the_query_and_the_text_agree() {
+        let v = vec![0u8; 100_000];
+        let code = parses_lines as *const () as u64;
+        let cases = [
+            (v.as_ptr() as u64, v.len() as u64, true),
+            (code, 64, false),
+            (code, 64, true),
+            (8, 8, false),
+            (u64::MAX - 4096, 8, false),
+        ];
+        for (addr, len, write) in cases {
+            assert_eq!(
+                check(addr, len, write),
+                check_by_text(addr, len, write),
+                "{addr:#x}+{len} write {write}"
+            );
+        }
+    }
+
+    #[test]
+    fn own_stack_and_heap_are_mapped_and_page_zero_is_not() {
+        let v = vec![0u8; 100_000];
+        assert_eq!(check(v.as_ptr() as u64, v.len() as u64, true), Ok(()));
+        assert_eq!(check(8, 8, false), Err(Unusable::Unmapped));
+        let x = 5u64;
+        assert_eq!(check(&x as *const u64 as u64, 8, true), Ok(()));
+    }
+}

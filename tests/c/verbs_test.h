@@ -1,0 +1,49 @@
+/* What the C test programs share: checks that exit 1 with the place and errno, and two RC
+ * QPs of one process brought to RTS towards each other (ibv_rc_pingpong's attributes). */
+#ifndef UGDR_VERBS_TEST_H
+#define UGDR_VERBS_TEST_H
+
+#include <infiniband/verbs.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+    fprintf(stderr, __VA_ARGS__); fprintf(stderr, " (errno %d)\n", errno); exit(1); } } while (0)
+/* A call that must fail with `bad` and errno `e`. */
+#define FAILS_WITH(call, bad, e) do { errno = 0; CHECK((call) == (bad) && errno == (e), "%s", #call); } while (0)
+
+/* RESET → INIT (with `access` as the QP's remote access) → RTR towards (dlid, dqpn) → RTS. */
+static inline void to_rts(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access)
+{
+    struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = access };
+    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "INIT");
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTR; a.path_mtu = IBV_MTU_1024; a.dest_qp_num = dqpn;
+    a.max_dest_rd_atomic = 1; a.min_rnr_timer = 12; a.ah_attr.dlid = dlid; a.ah_attr.port_num = 1;
+    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                        IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) == 0, "RTR");
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
+    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) == 0, "RTS");
+}
+
+/* One completion from `cq` within 10 s: 1, or 0 when none came. */
+static inline int poll_one(struct ibv_cq *cq, struct ibv_wc *wc)
+{
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        int n = ibv_poll_cq(cq, 1, wc);
+        if (n != 0)
+            return n;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec - start.tv_sec > 10)
+            return 0;
+    }
+}
+
+#endif
