@@ -418,9 +418,20 @@ impl CmId {
         Ok(())
     }
 
-    /// The QP the CM moves to ERR when the connection goes away.
-    pub fn attach_qp(&self, qp: Option<Arc<QueuePair>>) {
-        self.state().qp = qp;
+    /// The QP the CM moves to ERR when the connection goes away; when its transport timer
+    /// gives up on the peer, the connection goes away (DISCONNECTED).
+    pub fn attach_qp(self: &Arc<Self>, qp: Option<Arc<QueuePair>>) {
+        if let Some(qp) = &qp {
+            let id = Arc::downgrade(self);
+            qp.on_transport_error(Some(Box::new(move || {
+                if let Some(id) = id.upgrade() {
+                    id.transport_failed();
+                }
+            })));
+        }
+        if let Some(old) = std::mem::replace(&mut self.state().qp, qp) {
+            old.on_transport_error(None);
+        }
     }
 
     /// `rdma_destroy_id`: closes the id's sockets (its threads end), drops its queued events.
