@@ -462,6 +462,9 @@ fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
     }
     *next_tick = now + TIMER_TICK;
     let locked = worker.lock();
+    // Answers that already arrived count before any timer expires (this thread may have been
+    // kept off the CPU for a while).
+    while locked.progress() > 0 {}
     if let Some(engine) = Engine::running() {
         engine.tick_timers(&locked);
     }

@@ -69,7 +69,7 @@ impl QueuePair {
         }
         self.established(q);
         if h.seq != q.expected_seq {
-            if wire::psn_before(h.seq, q.expected_seq) {
+            if wire::psn_before(h.seq, q.expected_seq) || q.early.contains_key(&h.seq) {
                 self.on_duplicate(q, &h);
                 return false;
             }
