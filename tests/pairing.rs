@@ -202,6 +202,12 @@ impl QpPeer {
         self.cmd(&format!("rts {sq_psn} 14 {retry} {rnr}"));
     }
 
+    /// The following commands act on the process's QP `index` (0: the first).
+    fn use_qp(&mut self, index: usize) {
+        let answer = self.cmd(&format!("use {index}"));
+        self.qpn = answer[0].strip_prefix("qpn ").unwrap().parse().unwrap();
+    }
+
     fn poll(&mut self, n: usize, within: Duration) -> Vec<Wc> {
         let answer = self.cmd(&format!("poll {n} {}", within.as_millis()));
         answer
@@ -315,11 +321,11 @@ fn victim_untouched_then_served_by_its_peer(victim: &mut QpPeer, peer: &mut QpPe
     assert_eq!(victim.uniform_bytes(RECV_HALF + 4, 60), Some(0x22));
 }
 
-fn a_stranger_connected_to_the_victim_lands_nothing(
-    mut victim: QpPeer,
-    mut peer: QpPeer,
-    mut stranger: QpPeer,
-) {
+#[test]
+fn a_stranger_connected_to_a_victim_qp_lands_no_write_and_consumes_no_receive() {
+    let mut victim = QpPeer::local("victim", 0x11);
+    let mut peer = QpPeer::local("peer", 0x22);
+    let mut stranger = QpPeer::local("stranger", 0x33);
     victim_and_peer(&mut victim, &mut peer);
     // The stranger even uses the PSN the victim expects from its peer.
     stranger.connect(victim.lid, victim.qpn, 0, 0x123456, 1, 7);
@@ -327,24 +333,21 @@ fn a_stranger_connected_to_the_victim_lands_nothing(
     victim_untouched_then_served_by_its_peer(&mut victim, &mut peer);
 }
 
-#[test]
-fn a_stranger_connected_to_a_victim_qp_lands_no_write_and_consumes_no_receive() {
-    a_stranger_connected_to_the_victim_lands_nothing(
-        QpPeer::local("victim", 0x11),
-        QpPeer::local("peer", 0x22),
-        QpPeer::local("stranger", 0x33),
-    );
-}
-
+/// Across hosts: the stranger is another QP of the peer's own process (same LID, same UCX
+/// endpoint to the victim; each namespace holds one ugdr process, which is a host's view).
 #[test]
 fn a_stranger_on_another_host_lands_no_write_and_consumes_no_receive() {
     let ns = NetnsPair::new("pv");
     let (a, b) = (ns.a.clone(), ns.b.clone());
-    a_stranger_connected_to_the_victim_lands_nothing(
-        QpPeer::in_namespace(&ns, &a, "victim", 0x11),
-        QpPeer::in_namespace(&ns, &b, "peer", 0x22),
-        QpPeer::in_namespace(&ns, &b, "stranger", 0x33),
-    );
+    let mut victim = QpPeer::in_namespace(&ns, &a, "victim", 0x11);
+    let mut there = QpPeer::in_namespace(&ns, &b, "peer and stranger", 0x22);
+    there.cmd("qpns 1");
+    victim_and_peer(&mut victim, &mut there);
+    there.use_qp(1);
+    there.connect(victim.lid, victim.qpn, 0, 0x123456, 1, 7);
+    stranger_writes_and_sends(&mut there, &victim);
+    there.use_qp(0);
+    victim_untouched_then_served_by_its_peer(&mut victim, &mut there);
 }
 
 /// The victim's configured peer has the stranger's QP number (guessed, or re-created) but

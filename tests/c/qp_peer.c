@@ -20,7 +20,10 @@
  *   seq LEN COUNT                 "seq ok" if receive slot i starts with i for every i < COUNT
  *   bytes OFF LEN                 "bytes uniform X" if all LEN bytes at OFF are X, else
  *                                 "bytes mixed"
- *   qpns K                        creates K more QPs and prints "qpns N1 N2 ..."
+ *   qpns K                        creates K more QPs (each with its own CQ) and prints
+ *                                 "qpns N1 N2 ..."
+ *   use I                         the commands above act on QP I (0: the first; 1..: those
+ *                                 qpns created, in order) from now on; prints "qpn N"
  *   rss                           "rss KB" (VmRSS)
  *   state                         "state S" (ibv_query_qp)
  */
@@ -41,10 +44,13 @@
 #define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
     fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } } while (0)
 
+#define MAX_QPS 64
+
 static struct ibv_context *ctx;
 static struct ibv_pd *pd;
-static struct ibv_cq *cq;
-static struct ibv_qp *qp;
+static struct ibv_cq *cq, *cqs[MAX_QPS];
+static struct ibv_qp *qp, *qps[MAX_QPS];
+static int nqps;
 static struct ibv_mr *mr;
 static unsigned char *buf;
 
@@ -55,12 +61,20 @@ static double now_ms(void)
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
+/* A QP with a CQ of its own, remembered as qps[nqps]. */
 static struct ibv_qp *new_qp(void)
 {
-    struct ibv_qp_init_attr init = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+    CHECK(nqps < MAX_QPS, "too many QPs");
+    struct ibv_cq *own = ibv_create_cq(ctx, 4 * MAX_WR, NULL, NULL, 0);
+    CHECK(own, "create_cq: %s", strerror(errno));
+    struct ibv_qp_init_attr init = { .send_cq = own, .recv_cq = own, .qp_type = IBV_QPT_RC,
         .cap = { .max_send_wr = MAX_WR, .max_recv_wr = MAX_WR, .max_send_sge = 1,
                  .max_recv_sge = 1 } };
-    return ibv_create_qp(pd, &init);
+    struct ibv_qp *q = ibv_create_qp(pd, &init);
+    CHECK(q, "create_qp: %s", strerror(errno));
+    cqs[nqps] = own;
+    qps[nqps++] = q;
+    return q;
 }
 
 static void answer_rc(int rc, const char *what)
@@ -161,10 +175,9 @@ int main(int argc, char **argv)
     struct ibv_port_attr port;
     CHECK(ibv_query_port(ctx, 1, &port) == 0, "query_port");
     pd = ibv_alloc_pd(ctx);
-    cq = ibv_create_cq(ctx, 4 * MAX_WR, NULL, NULL, 0);
-    CHECK(pd && cq, "pd/cq");
+    CHECK(pd, "pd");
     qp = new_qp();
-    CHECK(qp, "create_qp: %s", strerror(errno));
+    cq = cqs[0];
     buf = aligned_alloc(4096, BUF_LEN);
     CHECK(buf, "buffer");
     memset(buf, (int)strtol(argv[1], NULL, 0), BUF_LEN);
@@ -236,12 +249,17 @@ int main(int argc, char **argv)
                 printf("bytes mixed\n");
         } else if (!strcmp(cmd, "qpns")) {
             printf("qpns");
-            for (unsigned long long i = 0; i < a; i++) {
-                struct ibv_qp *extra = new_qp();
-                CHECK(extra, "create_qp: %s", strerror(errno));
-                printf(" %u", extra->qp_num);
-            }
+            for (unsigned long long i = 0; i < a; i++)
+                printf(" %u", new_qp()->qp_num);
             printf("\n");
+        } else if (!strcmp(cmd, "use")) {
+            if (a < (unsigned long long)nqps) {
+                qp = qps[a];
+                cq = cqs[a];
+                printf("qpn %u\n", qp->qp_num);
+            } else {
+                printf("err no QP %llu\n", a);
+            }
         } else if (!strcmp(cmd, "rss")) {
             rss();
         } else if (!strcmp(cmd, "state")) {
