@@ -217,6 +217,21 @@ impl QpPeer {
             .collect()
     }
 
+    /// Polls one completion: the receive `wr_id` of `len` bytes from QP `src_qp` at `slid`.
+    fn expect_receive(&mut self, wr_id: u64, len: u32, src_qp: u32, slid: u16) {
+        let got = self.poll(1, Duration::from_secs(10));
+        let expected = Wc {
+            wr_id,
+            status: WC_SUCCESS,
+            opcode: WC_OP_RECV,
+            byte_len: len,
+            qp_num: self.qpn,
+            src_qp,
+            slid: u32::from(slid),
+        };
+        assert_eq!(got, [expected], "{}: {len} bytes", self.name);
+    }
+
     /// Polls `n` completions (within 30 s); the first one and the count of each status.
     fn drain(&mut self, n: usize) -> (Option<Wc>, Vec<(u32, usize)>) {
         let answer = self.cmd(&format!("drain {n} 30000"));
@@ -303,19 +318,7 @@ fn victim_untouched_then_served_by_its_peer(victim: &mut QpPeer, peer: &mut QpPe
         ),
         (10, WC_SUCCESS, WC_OP_SEND, 64)
     );
-    let got = victim.poll(1, Duration::from_secs(10));
-    assert_eq!(
-        got,
-        [Wc {
-            wr_id: 7,
-            status: WC_SUCCESS,
-            opcode: WC_OP_RECV,
-            byte_len: 64,
-            qp_num: victim.qpn,
-            src_qp: peer.qpn,
-            slid: u32::from(peer.lid),
-        }]
-    );
+    victim.expect_receive(7, 64, peer.qpn, peer.lid);
     // Message 0 starts with its index (0), then the peer's bytes.
     assert_eq!(victim.uniform_bytes(RECV_HALF, 4), Some(0));
     assert_eq!(victim.uniform_bytes(RECV_HALF + 4, 60), Some(0x22));
@@ -374,6 +377,16 @@ fn a_stranger_with_the_peers_qp_number_but_another_lid_lands_nothing() {
     );
 }
 
+/// Two qp_peer processes connected to each other: `a` numbers its messages from `a_psn` and
+/// expects `b`'s from `b_psn` (and `b` the other way round); `a` with `rnr_retry` `a_rnr`.
+fn connected_pair(a_psn: u32, b_psn: u32, a_rnr: u8) -> (QpPeer, QpPeer) {
+    let mut a = QpPeer::local("a", 0x11);
+    let mut b = QpPeer::local("b", 0x22);
+    a.connect(b.lid, b.qpn, b_psn, a_psn, 7, a_rnr);
+    b.connect(a.lid, a.qpn, a_psn, b_psn, 7, 7);
+    (a, b)
+}
+
 #[test]
 fn requests_with_a_psn_other_than_the_expected_one_never_deliver() {
     let mut a = QpPeer::local("a", 0x11);
@@ -391,11 +404,8 @@ fn requests_with_a_psn_other_than_the_expected_one_never_deliver() {
 
 #[test]
 fn psns_wrap_at_24_bits_in_order() {
-    let mut a = QpPeer::local("a", 0x11);
-    let mut b = QpPeer::local("b", 0x22);
     // Both directions start two PSNs before the wrap to 0.
-    a.connect(b.lid, b.qpn, 0xff_fffe, 0xff_fffe, 7, 7);
-    b.connect(a.lid, a.qpn, 0xff_fffe, 0xff_fffe, 7, 7);
+    let (mut a, mut b) = connected_pair(0xff_fffe, 0xff_fffe, 7);
     b.cmd("recv 100 64 8");
     a.cmd("send 1 64 8");
     let got = b.poll(8, Duration::from_secs(10));
@@ -460,20 +470,7 @@ fn a_send_before_rtr_arrives_through_the_senders_retransmission() {
         std::thread::sleep(Duration::from_millis(150));
         assert!(sender.poll(1, Duration::from_millis(0)).is_empty());
         victim.cmd(&format!("rtr {} {} 16", sender.lid, sender.qpn));
-        let got = victim.poll(1, Duration::from_secs(10));
-        assert_eq!(
-            got,
-            [Wc {
-                wr_id: 7,
-                status: WC_SUCCESS,
-                opcode: WC_OP_RECV,
-                byte_len: len,
-                qp_num: victim.qpn,
-                src_qp: sender.qpn,
-                slid: u32::from(sender.lid),
-            }],
-            "{len} bytes"
-        );
+        victim.expect_receive(7, len, sender.qpn, sender.lid);
         assert_eq!(
             victim.uniform_bytes(RECV_HALF + 4, u64::from(len) - 4),
             Some(0x22)
@@ -520,10 +517,7 @@ fn a_send_before_rtr_is_not_kept_for_later() {
 /// the excess is dropped and sent again, and every message arrives once, in order.
 #[test]
 fn receives_posted_late_get_every_message_in_order() {
-    let mut a = QpPeer::local("a", 0x11);
-    let mut b = QpPeer::local("b", 0x22);
-    a.connect(b.lid, b.qpn, 0x55, 0x66, 7, 7);
-    b.connect(a.lid, a.qpn, 0x66, 0x55, 7, 7);
+    let (mut a, mut b) = connected_pair(0x66, 0x55, 7);
     a.cmd("send 1 64 600");
     std::thread::sleep(Duration::from_millis(300));
     b.cmd("recv 1000 64 600");
@@ -539,10 +533,7 @@ fn receives_posted_late_get_every_message_in_order() {
 /// `rnr_retry` below 7 bounds how long a SEND waits for a receive WR.
 #[test]
 fn a_receiver_that_never_posts_ends_in_rnr_retry_exc_err() {
-    let mut a = QpPeer::local("a", 0x11);
-    let mut b = QpPeer::local("b", 0x22);
-    a.connect(b.lid, b.qpn, 0x55, 0x66, 7, 1);
-    b.connect(a.lid, a.qpn, 0x66, 0x55, 7, 7);
+    let (mut a, _b) = connected_pair(0x66, 0x55, 1);
     a.cmd("send 1 64 2");
     let wcs = a.poll(2, Duration::from_secs(10));
     assert_eq!(

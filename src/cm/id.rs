@@ -146,15 +146,7 @@ pub struct CmId {
 
 /// A fresh 24-bit starting PSN.
 fn random_psn() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    (h.finish() as u32) & 0xff_ffff
+    crate::engine::random_u32() & crate::engine::wire::PSN_MASK
 }
 
 /// A TCP socket bound to `addr`: what holds an id's address and port.

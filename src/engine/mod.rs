@@ -437,8 +437,9 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
     }
 }
 
-/// 32 random bits from the OS (a hash of the time and a random hasher key if it fails).
-fn random_u32() -> u32 {
+/// 32 random bits from the OS (QP numbers, starting PSNs: nothing another process can
+/// predict). Without an entropy source: a hash of the time under a random hasher key.
+pub fn random_u32() -> u32 {
     let mut b = [0u8; 4];
     if getrandom::fill(&mut b).is_ok() {
         return u32::from_ne_bytes(b);
