@@ -528,6 +528,32 @@ fn a_peer_killed_mid_connection_disconnects_and_flushes_outstanding_receives() {
     c.close();
 }
 
+/// Stops process `pid` and waits until every thread of it is stopped (SIGSTOP takes effect
+/// asynchronously: a thread running on another CPU carries on for a moment).
+fn stop(pid: i32) {
+    // SAFETY: signals a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("its threads");
+        let stopped = tasks.flatten().all(|t| {
+            std::fs::read_to_string(t.path().join("stat"))
+                .ok()
+                .and_then(|st| {
+                    st.rsplit(')')
+                        .next()
+                        .map(|r| r.trim_start().starts_with('T'))
+                })
+                .unwrap_or(true)
+        });
+        if stopped {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pid {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A peer that stops answering (its process is stopped: alive, but nothing acknowledges) is
 /// noticed by the QP's transport timer (the CM's ACK timeout 14, about 67 ms, and
 /// retry_count 7): the SEND completes with RETRY_EXC_ERR, the QP flushes, and the CM reports
@@ -535,11 +561,7 @@ fn a_peer_killed_mid_connection_disconnects_and_flushes_outstanding_receives() {
 #[test]
 fn a_peer_that_stops_answering_fails_the_send_and_disconnects() {
     let c = RpingConnection::establish();
-    // SAFETY: signals rping's own process, which this test started.
-    assert_eq!(
-        unsafe { libc::kill(c.server.id() as i32, libc::SIGSTOP) },
-        0
-    );
+    stop(c.server.id() as i32);
     let mut sge = [ibv_sge {
         addr: c.buf.as_ptr() as u64,
         length: 16,
