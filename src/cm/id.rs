@@ -415,13 +415,15 @@ impl CmId {
     pub fn attach_qp(self: &Arc<Self>, qp: Option<Arc<QueuePair>>) {
         if let Some(qp) = &qp {
             let id = Arc::downgrade(self);
-            qp.on_transport_error(Some(Box::new(move || {
+            qp.on_transport_error(Some(Arc::new(move || {
                 if let Some(id) = id.upgrade() {
                     id.transport_failed();
                 }
             })));
         }
-        if let Some(old) = std::mem::replace(&mut self.state().qp, qp) {
+        let new = qp.as_ref().map(Arc::as_ptr);
+        let old = std::mem::replace(&mut self.state().qp, qp);
+        if let Some(old) = old.filter(|o| Some(Arc::as_ptr(o)) != new) {
             old.on_transport_error(None);
         }
     }

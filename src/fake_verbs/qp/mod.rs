@@ -61,7 +61,7 @@ pub struct QueuePair {
 }
 
 /// What the owner of a QP (the connection manager) does when the QP's peer stopped answering.
-pub type TransportErrorHook = Box<dyn Fn() + Send + Sync>;
+pub type TransportErrorHook = Arc<dyn Fn() + Send + Sync>;
 
 impl QueuePair {
     #[allow(clippy::too_many_arguments)]
@@ -180,13 +180,14 @@ impl QueuePair {
             .unwrap_or_else(|p| p.into_inner()) = hook;
     }
 
-    /// The QP's peer stopped answering: tells the owner's hook.
+    /// The QP's peer stopped answering: tells the owner's hook (no lock of the QP held).
     fn transport_failed(&self) {
         let hook = self
             .on_transport_error
             .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some(hook) = hook.as_ref() {
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(hook) = hook {
             hook();
         }
     }
