@@ -438,60 +438,155 @@ fn a_port_nobody_listens_on_is_rejected() {
     assert_eq!(unsafe { rdma_destroy_id(id) }, 0);
 }
 
+/// A client id connected to an `rping -s` process (which then waits for the client's first
+/// SEND), with two receives (wr_id 11 and 12) posted on its QP.
+struct RpingConnection {
+    server: std::process::Child,
+    client: Cm,
+    id: *mut rdma_cm_id,
+    qp: *mut ibv_qp,
+    mr: *mut ibv_mr,
+    buf: Vec<u8>,
+}
+
+impl RpingConnection {
+    fn establish() -> RpingConnection {
+        use harness::*;
+        let port = free_port();
+        let p = port.to_string();
+        let server = preloaded("rping", &["-s", "-a", "127.0.0.1", "-p", &p, "-C", "1"])
+            .spawn()
+            .expect("rping");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !listening(
+            port,
+            &std::fs::read_to_string("/proc/net/tcp").unwrap_or_default(),
+        ) {
+            assert!(Instant::now() < deadline, "rping never listened");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let client = Cm::new();
+        let id = client.resolved(port);
+        let qp = cm_qp(id);
+        let mut buf = vec![0u8; 256];
+        let pd = unsafe { (*qp).pd };
+        let mr = unsafe { ibv_reg_mr(pd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+        assert!(!mr.is_null());
+        for wr_id in [11u64, 12] {
+            let mut sge = [ibv_sge {
+                addr: buf.as_mut_ptr() as u64,
+                length: buf.len() as u32,
+                lkey: unsafe { (*mr).lkey },
+            }];
+            assert_eq!(post_one_recv(qp, wr_id, &mut sge), 0);
+        }
+        let mut param = conn_param(&[]);
+        assert_eq!(unsafe { rdma_connect(id, &mut param) }, 0);
+        expect(client.ch, K::RDMA_CM_EVENT_ESTABLISHED);
+        assert_eq!(unsafe { (*qp).state }, ibv_qp_state::IBV_QPS_RTS);
+        RpingConnection {
+            server,
+            client,
+            id,
+            qp,
+            mr,
+            buf,
+        }
+    }
+
+    /// After DISCONNECTED: both receives were flushed, in order.
+    fn assert_receives_flushed(&self) {
+        let wcs = poll_n(unsafe { (*self.id).recv_cq }, 2);
+        for (wc, wr_id) in wcs.iter().zip([11u64, 12]) {
+            assert_eq!(wc.wr_id, wr_id);
+            assert_eq!(wc.status, ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+            assert_eq!(wc.qp_num, unsafe { (*self.qp).qp_num });
+        }
+    }
+
+    /// Disconnecting an id whose peer is gone is harmless; everything is destroyed.
+    fn close(mut self) {
+        assert_eq!(unsafe { rdma_disconnect(self.id) }, 0);
+        assert_eq!(unsafe { ibv_dereg_mr(self.mr) }, 0);
+        unsafe { rdma_destroy_qp(self.id) };
+        assert_eq!(unsafe { rdma_destroy_id(self.id) }, 0);
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}
+
 #[test]
 fn a_peer_killed_mid_connection_disconnects_and_flushes_outstanding_receives() {
-    use harness::*;
-    let port = free_port();
-    let p = port.to_string();
-    let mut server = preloaded("rping", &["-s", "-a", "127.0.0.1", "-p", &p, "-C", "1"])
-        .spawn()
-        .expect("rping");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !listening(
-        port,
-        &std::fs::read_to_string("/proc/net/tcp").unwrap_or_default(),
-    ) {
-        assert!(Instant::now() < deadline, "rping never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let client = Cm::new();
-    let id = client.resolved(port);
-    let qp = cm_qp(id);
-    let recv_cq = unsafe { (*id).recv_cq };
-    let mut buf = vec![0u8; 256];
-    let pd = unsafe { (*qp).pd };
-    let mr = unsafe { ibv_reg_mr(pd, buf.as_mut_ptr().cast(), buf.len(), 0) };
-    assert!(!mr.is_null());
-    for wr_id in [11u64, 12] {
-        let mut sge = [ibv_sge {
-            addr: buf.as_mut_ptr() as u64,
-            length: buf.len() as u32,
-            lkey: unsafe { (*mr).lkey },
-        }];
-        assert_eq!(post_one_recv(qp, wr_id, &mut sge), 0);
-    }
-    let mut param = conn_param(&[]);
-    assert_eq!(unsafe { rdma_connect(id, &mut param) }, 0);
-    expect(client.ch, K::RDMA_CM_EVENT_ESTABLISHED);
-    assert_eq!(unsafe { (*qp).state }, ibv_qp_state::IBV_QPS_RTS);
-
+    let mut c = RpingConnection::establish();
     // rping's server now waits for our first SEND; it dies instead.
-    server.kill().unwrap();
-    server.wait().unwrap();
+    c.server.kill().unwrap();
+    c.server.wait().unwrap();
     let killed = Instant::now();
-    expect(client.ch, K::RDMA_CM_EVENT_DISCONNECTED);
+    expect(c.client.ch, K::RDMA_CM_EVENT_DISCONNECTED);
     assert!(killed.elapsed() < Duration::from_secs(5));
-    let wcs = poll_n(recv_cq, 2);
-    for (wc, wr_id) in wcs.iter().zip([11u64, 12]) {
-        assert_eq!(wc.wr_id, wr_id);
-        assert_eq!(wc.status, ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
-        assert_eq!(wc.qp_num, unsafe { (*qp).qp_num });
+    c.assert_receives_flushed();
+    c.close();
+}
+
+/// Stops process `pid` and waits until every thread of it is stopped (SIGSTOP takes effect
+/// asynchronously: a thread running on another CPU carries on for a moment).
+fn stop(pid: i32) {
+    // SAFETY: signals a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("its threads");
+        let stopped = tasks.flatten().all(|t| {
+            std::fs::read_to_string(t.path().join("stat"))
+                .ok()
+                .and_then(|st| {
+                    st.rsplit(')')
+                        .next()
+                        .map(|r| r.trim_start().starts_with('T'))
+                })
+                .unwrap_or(true)
+        });
+        if stopped {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pid {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
     }
-    // Disconnecting an id whose peer is gone is harmless.
-    assert_eq!(unsafe { rdma_disconnect(id) }, 0);
-    assert_eq!(unsafe { ibv_dereg_mr(mr) }, 0);
-    unsafe { rdma_destroy_qp(id) };
-    assert_eq!(unsafe { rdma_destroy_id(id) }, 0);
+}
+
+/// A peer that stops answering (its process is stopped: alive, but nothing acknowledges) is
+/// noticed by the QP's transport timer (the CM's ACK timeout 14, about 67 ms, and
+/// retry_count 7): the SEND completes with RETRY_EXC_ERR, the QP flushes, and the CM reports
+/// DISCONNECTED. Before, the SEND waited forever.
+#[test]
+fn a_peer_that_stops_answering_fails_the_send_and_disconnects() {
+    let c = RpingConnection::establish();
+    stop(c.server.id() as i32);
+    let mut sge = [ibv_sge {
+        addr: c.buf.as_ptr() as u64,
+        length: 16,
+        lkey: unsafe { (*c.mr).lkey },
+    }];
+    let mut wr = send_wr(
+        21,
+        &mut sge,
+        ibv_wr_opcode::IBV_WR_SEND,
+        ibv_send_flags::IBV_SEND_SIGNALED.0,
+    );
+    let stopped = Instant::now();
+    assert_eq!(post_one_send(c.qp, &mut wr), 0);
+    let wcs = poll_n(unsafe { (*c.id).send_cq }, 1);
+    let took = stopped.elapsed();
+    assert_eq!(wcs[0].wr_id, 21);
+    assert_eq!(wcs[0].status, ibv_wc_status::IBV_WC_RETRY_EXC_ERR);
+    assert_eq!(wcs[0].qp_num, unsafe { (*c.qp).qp_num });
+    assert!(
+        took >= Duration::from_millis(7 * 67) && took < Duration::from_secs(3),
+        "RETRY_EXC_ERR after {took:?}"
+    );
+    expect(c.client.ch, K::RDMA_CM_EVENT_DISCONNECTED);
+    c.assert_receives_flushed();
+    c.close(); // SIGKILL ends the stopped process too
 }
 
 /// Connects `n` clients to one listener (all requests in flight together), each with a QP,

@@ -146,15 +146,7 @@ pub struct CmId {
 
 /// A fresh 24-bit starting PSN.
 fn random_psn() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    (h.finish() as u32) & 0xff_ffff
+    crate::engine::random_u32() & crate::engine::wire::PSN_MASK
 }
 
 /// A TCP socket bound to `addr`: what holds an id's address and port.
@@ -418,9 +410,22 @@ impl CmId {
         Ok(())
     }
 
-    /// The QP the CM moves to ERR when the connection goes away.
-    pub fn attach_qp(&self, qp: Option<Arc<QueuePair>>) {
-        self.state().qp = qp;
+    /// The QP the CM moves to ERR when the connection goes away; when its transport timer
+    /// gives up on the peer, the connection goes away (DISCONNECTED).
+    pub fn attach_qp(self: &Arc<Self>, qp: Option<Arc<QueuePair>>) {
+        if let Some(qp) = &qp {
+            let id = Arc::downgrade(self);
+            qp.on_transport_error(Some(Arc::new(move || {
+                if let Some(id) = id.upgrade() {
+                    id.transport_failed();
+                }
+            })));
+        }
+        let new = qp.as_ref().map(Arc::as_ptr);
+        let old = std::mem::replace(&mut self.state().qp, qp);
+        if let Some(old) = old.filter(|o| Some(Arc::as_ptr(o)) != new) {
+            old.on_transport_error(None);
+        }
     }
 
     /// `rdma_destroy_id`: closes the id's sockets (its threads end), drops its queued events.

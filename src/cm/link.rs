@@ -224,6 +224,20 @@ impl CmId {
         }
     }
 
+    /// The QP's transport timer gave up on the peer (it stopped answering: a cut link, a
+    /// host gone): the connection is closed as if the peer had closed it, so this side (and
+    /// the peer, if it still hears) gets DISCONNECTED. Runs in the progress thread, under the
+    /// worker lock: it only shuts the socket down, and the link's thread does the rest.
+    pub(super) fn transport_failed(&self) {
+        let s = self.state();
+        if let (Some(link), Phase::Connected | Phase::ReplyReceived | Phase::ReplySent) =
+            (&s.link, s.phase)
+        {
+            tracing::debug!("cm: the QP's peer stopped answering: disconnecting");
+            let _ = link.shutdown(Shutdown::Both);
+        }
+    }
+
     /// The CM connection closed (the peer shut it down or its process died).
     fn on_link_closed(self: &Arc<Self>) {
         let mut s = self.state();

@@ -1,6 +1,6 @@
 //! What the engine delivers to: the interface a queue pair implements (the verbs layer above
-//! registers its queue pairs by number), the connection a QP names its peer by, and the list
-//! of QPs that owe their peer an ACK.
+//! registers its queue pairs by number), the connection a QP names its peer by, the list of
+//! QPs that owe their peer an ACK, and the list of QPs whose transport timer runs.
 //!
 //! The engine knows QP numbers, headers and endpoints, never verbs semantics: it routes a
 //! message by its destination QP number and lets the receiver decide what it means.
@@ -9,6 +9,7 @@ use super::wire::Header;
 use crate::ucp::{AmPayload, Endpoint, LockedWorker};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The receiving end of one QP number. Every call runs inside progress (or a verbs call),
 /// under the worker lock.
@@ -38,7 +39,15 @@ pub trait MessageReceiver: Send + Sync {
 
     /// An endpoint to some peer process failed: a QP whose peer it was fails.
     fn peer_failed(self: Arc<Self>, locked: &LockedWorker<'_>);
+
+    /// The transport timer of a QP that called [`arm_timer`] (every [`TIMER_TICK`] while it
+    /// is armed): retransmit or fail what was not answered in time. Returns whether the timer
+    /// must keep running (false: the QP is disarmed and arms itself again when it needs to).
+    fn tick(self: Arc<Self>, locked: &LockedWorker<'_>, now: Instant) -> bool;
 }
+
+/// How often the progress thread runs the transport timers of armed QPs.
+pub const TIMER_TICK: Duration = Duration::from_millis(10);
 
 /// The remote QP an RC/UC QP is connected to, and the endpoint to its process.
 #[derive(Clone)]
@@ -74,4 +83,50 @@ pub(super) fn take_owed_acks() -> Vec<u32> {
     let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
     OWED_COUNT.store(0, Ordering::Release);
     std::mem::take(&mut *owed)
+}
+
+/// QPs whose transport timer runs (by QP number), ticked by the progress thread.
+static ARMED: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+static ARMED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// QP `qpn` has requests waiting for an answer: the progress thread calls its
+/// [`MessageReceiver::tick`] every [`TIMER_TICK`] until it returns false. Call once per
+/// arming (the QP remembers that it is armed).
+pub fn arm_timer(qpn: u32) {
+    let was_idle = {
+        let mut armed = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+        armed.push(qpn);
+        ARMED_COUNT.fetch_add(1, Ordering::AcqRel) == 0
+    };
+    if was_idle {
+        // The progress thread may sleep for up to 100 ms with no timer armed: wake it.
+        if let Some(engine) = super::Engine::running() {
+            engine.worker.signal();
+        }
+    }
+}
+
+/// Whether any QP's timer runs.
+pub(super) fn timers_armed() -> bool {
+    ARMED_COUNT.load(Ordering::Acquire) != 0
+}
+
+/// The armed QPs, emptying the list (they are armed again with [`rearm`]).
+pub(super) fn take_armed() -> Vec<u32> {
+    if !timers_armed() {
+        return Vec::new();
+    }
+    let mut armed = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+    ARMED_COUNT.fetch_sub(armed.len(), Ordering::AcqRel);
+    std::mem::take(&mut *armed)
+}
+
+/// Puts QPs whose timer keeps running back on the list.
+pub(super) fn rearm(qpns: Vec<u32>) {
+    if qpns.is_empty() {
+        return;
+    }
+    let mut armed = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+    ARMED_COUNT.fetch_add(qpns.len(), Ordering::AcqRel);
+    armed.extend(qpns);
 }

@@ -27,7 +27,7 @@ mod dispatch;
 mod error;
 pub mod wire;
 
-pub use dispatch::{MessageReceiver, Peer, owe_ack};
+pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, arm_timer, owe_ack};
 pub use error::EngineError;
 
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
@@ -50,7 +50,8 @@ pub struct Engine {
     /// Endpoints by remote worker address; a failed endpoint is replaced on next use.
     endpoints: Mutex<HashMap<Vec<u8>, PeerProcess>>,
     qps: DashMap<u32, Arc<dyn MessageReceiver>, FxBuildHasher>,
-    next_qpn: Mutex<u32>,
+    /// Serializes QP number allocation (numbers are drawn at random).
+    next_qpn: Mutex<()>,
     /// What this process publishes for same-host peers' direct RDMA (None: direct path off).
     pub memory: Option<direct::LocalMemory>,
     pub query_service: Result<u16, String>,
@@ -158,7 +159,6 @@ impl Engine {
             .name("ugdr-progress".into())
             .spawn(move || progress_loop(&progress_worker, &stop, &polls))
             .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
-        let seed = (std::process::id() & 0xffff) << 8;
         let memory = if direct::enabled() {
             direct::LocalMemory::new(lid)
                 .inspect_err(|e| tracing::debug!("direct path unavailable: {e}"))
@@ -181,7 +181,7 @@ impl Engine {
             gate,
             endpoints: Mutex::new(HashMap::new()),
             qps: DashMap::default(),
-            next_qpn: Mutex::new(seed.max(0x100)),
+            next_qpn: Mutex::new(()),
             memory,
             query_service,
             stopping,
@@ -222,14 +222,14 @@ impl Engine {
         std::mem::forget(self.worker.lock());
     }
 
-    /// A QP number not in use in this process (24 bits, never 0 or 1), holding a slot of
+    /// A QP number not in use in this process (24 bits, never 0 or 1), drawn at random so
+    /// that nobody can predict or re-create another process's QP numbers, holding a slot of
     /// the direct-access table when one is free.
     pub fn allocate_qpn(&self) -> u32 {
-        let mut next = self.next_qpn.lock().unwrap_or_else(|p| p.into_inner());
+        let _serial = self.next_qpn.lock().unwrap_or_else(|p| p.into_inner());
         let mut tries = 0;
         loop {
-            let n = *next & 0x00ff_ffff;
-            *next = next.wrapping_add(1);
+            let n = random_u32() & wire::PSN_MASK;
             if n <= 1 || self.qps.contains_key(&n) {
                 continue;
             }
@@ -388,6 +388,17 @@ impl Engine {
         }
     }
 
+    /// Runs the transport timers of the armed QPs (the progress thread, every
+    /// [`TIMER_TICK`]).
+    fn tick_timers(&self, locked: &LockedWorker<'_>) {
+        let now = std::time::Instant::now();
+        let still: Vec<u32> = dispatch::take_armed()
+            .into_iter()
+            .filter(|&qpn| self.receiver(qpn).is_some_and(|qp| qp.tick(locked, now)))
+            .collect();
+        dispatch::rearm(still);
+    }
+
     /// Sends every ACK a QP of this process owes its peer.
     pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>) {
         for qpn in dispatch::take_owed_acks() {
@@ -446,11 +457,48 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
     }
 }
 
+/// 32 random bits from the OS (QP numbers, starting PSNs: nothing another process can
+/// predict). Without an entropy source: a hash of the time under a random hasher key.
+pub fn random_u32() -> u32 {
+    let mut b = [0u8; 4];
+    if getrandom::fill(&mut b).is_ok() {
+        return u32::from_ne_bytes(b);
+    }
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish() as u32
+}
+
+/// Runs the QPs' transport timers when a tick is due (a few instructions when not).
+fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
+    let now = std::time::Instant::now();
+    if now < *next_tick || !dispatch::timers_armed() {
+        return;
+    }
+    *next_tick = now + TIMER_TICK;
+    let locked = worker.lock();
+    // Answers that already arrived count before any timer expires (this thread may have been
+    // kept off the CPU for a while).
+    while locked.progress() > 0 {}
+    if let Some(engine) = Engine::running() {
+        engine.tick_timers(&locked);
+    }
+}
+
 fn progress_loop(worker: &Worker, stopping: &AtomicBool, app_polls: &AtomicU64) {
     let efd = worker.event_fd();
     let mut last_peer_check = std::time::Instant::now();
     let mut polls_seen = app_polls.load(Ordering::Relaxed);
+    let mut next_tick = std::time::Instant::now();
     while !stopping.load(Ordering::Acquire) {
+        // Transport timers run whether the application sleeps or busy-polls.
+        tick_if_due(worker, &mut next_tick);
         let polls = app_polls.load(Ordering::Relaxed);
         if polls.wrapping_sub(polls_seen) >= BUSY_POLL_THRESHOLD {
             // The application is spinning in ibv_poll_cq and progresses the worker itself. A
@@ -477,6 +525,11 @@ fn progress_loop(worker: &Worker, stopping: &AtomicBool, app_polls: &AtomicU64) 
                 continue;
             }
         }
-        ucp::wait_readable(&[efd], 100);
+        let wait_ms = if dispatch::timers_armed() {
+            TIMER_TICK.as_millis() as i32
+        } else {
+            100
+        };
+        ucp::wait_readable(&[efd], wait_ms);
     }
 }

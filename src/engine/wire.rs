@@ -13,7 +13,7 @@
 //! | 12 | 2 | source LID |
 //! | 14 | 1 | service level (UD) |
 //! | 15 | 1 | reserved |
-//! | 16 | 4 | sequence number (per QP connection, from 0) |
+//! | 16 | 4 | packet sequence number: 24 bits, per QP connection, from the requester's `sq_psn` (which the responder's `rq_psn` must match) |
 //! | 20 | 4 | immediate data (as posted: network byte order) |
 //! | 24 | 8 | remote address (RDMA operations) |
 //! | 32 | 4 | rkey (RDMA operations) |
@@ -78,6 +78,10 @@ pub enum Nak {
     RemoteOperational = 2,
     /// Remote access violation (requester: REM_ACCESS_ERR).
     RemoteAccess = 3,
+    /// Receiver not ready (RNR NAK): `seq` waits for a receive WR (or was dropped for lack of
+    /// one). It acknowledges nothing (ugdr's responder may hold earlier requests); the
+    /// requester counts it against `rnr_retry` (7 = forever), else RNR_RETRY_EXC_ERR.
+    ReceiverNotReady = 4,
 }
 
 impl Nak {
@@ -86,6 +90,7 @@ impl Nak {
             1 => Nak::InvalidRequest,
             2 => Nak::RemoteOperational,
             3 => Nak::RemoteAccess,
+            4 => Nak::ReceiverNotReady,
             _ => return None,
         })
     }
@@ -180,9 +185,22 @@ impl Header {
     }
 }
 
-/// `a` comes before `b` in 32-bit sequence space (wrapping).
-pub fn seq_before(a: u32, b: u32) -> bool {
-    (a.wrapping_sub(b) as i32) < 0
+/// Packet sequence numbers are 24 bits, as InfiniBand's (`sq_psn`, `rq_psn`).
+pub const PSN_MASK: u32 = 0x00ff_ffff;
+
+/// `psn + n` in the 24-bit sequence space.
+pub fn psn_add(psn: u32, n: u32) -> u32 {
+    psn.wrapping_add(n) & PSN_MASK
+}
+
+/// The PSN before `psn`.
+pub fn psn_prev(psn: u32) -> u32 {
+    psn_add(psn, PSN_MASK)
+}
+
+/// `a` comes before `b` in the 24-bit sequence space (wrapping; half of it lies behind `b`).
+pub fn psn_before(a: u32, b: u32) -> bool {
+    a.wrapping_sub(b) & PSN_MASK >= 1 << 23
 }
 
 #[cfg(test)]
@@ -218,11 +236,30 @@ mod tests {
     }
 
     #[test]
-    fn sequence_comparison_wraps() {
-        assert!(seq_before(1, 2));
-        assert!(!seq_before(2, 1));
-        assert!(!seq_before(5, 5));
-        assert!(seq_before(u32::MAX, 0));
-        assert!(!seq_before(0, u32::MAX));
+    fn sequence_comparison_wraps_at_24_bits() {
+        assert!(psn_before(1, 2));
+        assert!(!psn_before(2, 1));
+        assert!(!psn_before(5, 5));
+        assert!(psn_before(PSN_MASK, 0));
+        assert!(!psn_before(0, PSN_MASK));
+        assert_eq!(psn_add(PSN_MASK, 1), 0);
+        assert_eq!(psn_prev(0), PSN_MASK);
+        // Half the space lies behind, half ahead.
+        assert!(psn_before(0x80_0000, 0));
+        assert!(!psn_before(0x7f_ffff, 0));
+    }
+
+    #[test]
+    fn every_nak_round_trips() {
+        for n in [
+            Nak::InvalidRequest,
+            Nak::RemoteOperational,
+            Nak::RemoteAccess,
+            Nak::ReceiverNotReady,
+        ] {
+            assert_eq!(Nak::from_raw(n as u8), Some(n));
+        }
+        assert_eq!(Nak::from_raw(0), None);
+        assert_eq!(Nak::from_raw(5), None);
     }
 }

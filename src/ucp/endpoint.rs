@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What a send carries after its header.
+#[derive(Clone)]
 pub enum SendPayload {
     None,
     /// Application memory (checked spans); must stay valid until the send completes.

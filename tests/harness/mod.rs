@@ -236,13 +236,22 @@ impl Guarded {
         }
     }
 
+    /// The child's process id (also its process group's).
+    pub fn pid(&self) -> i32 {
+        self.pgid
+    }
+
+    /// The child's output if it exited (it is reaped, and its group killed), else None.
+    pub fn exited(&mut self) -> Option<Output> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        Some(self.finish(status))
+    }
+
     /// Panics with the process's output if it already ended (a server that died before it
     /// listened).
     pub fn assert_running(&mut self) {
-        let exited = self.child.as_mut().map(|c| c.try_wait());
-        if let Some(Ok(Some(status))) = exited {
-            self.child = None;
-            let out = self.finish(status);
+        if let Some(out) = self.exited() {
             panic!(
                 "{} exited early ({})\n{}",
                 self.what,

@@ -1,6 +1,8 @@
 //! The completer (rxe's `rxe_comp.c`): turns ACKs, NAKs and READ/atomic responses into send
-//! completions, released strictly in post order; a NAK or a failed send fails the QP; entering
-//! ERR flushes every outstanding WR (sends first, then receives) with IBV_WC_WR_FLUSH_ERR.
+//! completions, released strictly in post order; a NAK or a failed send fails the QP; an RNR
+//! NAK counts against `rnr_retry`; entering ERR flushes every outstanding WR (sends first,
+//! then receives) with IBV_WC_WR_FLUSH_ERR. Only answers from the connected peer (its LID and
+//! QP) naming a PSN this QP sent and the responder has not acknowledged yet count.
 
 use super::super::qp_state::QpState;
 use super::super::work::{WcOpcode, WcStatus, WorkCompletion};
@@ -95,21 +97,55 @@ impl QueuePair {
 
     /// An ACK (or NAK) from the responder.
     pub fn on_ack(self: &Arc<Self>, locked: &LockedWorker<'_>, h: &Header) {
-        self.locked_then_send(locked, |q| self.on_ack_locked(q, h))
+        let failed = self.locked_then_send(locked, |q| {
+            self.on_ack_locked(q, h);
+            std::mem::take(&mut q.timer.failed)
+        });
+        if failed {
+            self.transport_failed();
+        }
     }
 
     pub(super) fn on_ack_locked(&self, q: &mut Queues, h: &Header) {
         if !matches!(q.state, QpState::Rts | QpState::Sqd | QpState::Sqe) {
             return;
         }
-        if q.peer.as_ref().map(|p| p.qpn) != Some(h.src_qpn) {
+        if !from_peer(q, h) || !answers_sent(q, h.seq) {
+            tracing::debug!(
+                "qp {:#x}: ignoring an ACK for psn {:#x} from lid {:#06x} qp {:#x}",
+                self.qp_num,
+                h.seq,
+                h.src_lid,
+                h.src_qpn
+            );
             return;
         }
-        match Nak::from_raw(h.status) {
-            None => self.apply_ack(q, h.seq),
+        let nak = Nak::from_raw(h.status);
+        if nak.is_some() && h.seq == q.acked_psn {
+            return; // a NAK names a request still unanswered
+        }
+        match nak {
+            None => {
+                q.timer.answered();
+                self.apply_ack(q, h.seq);
+            }
+            Some(Nak::ReceiverNotReady) => {
+                // It waits for a receive WR (the timer sends it again, in case the responder
+                // could not keep it); nothing is acknowledged by it.
+                if !q.timer.rnr_retry_allowed(q.attrs.rnr_retry) {
+                    tracing::debug!(
+                        "qp {:#x}: psn {:#x}: RNR retry counter exceeded",
+                        self.qp_num,
+                        h.seq
+                    );
+                    q.timer.failed = true;
+                    self.fail_entry(q, h.seq, WcStatus::RnrRetryExcErr);
+                }
+            }
             Some(nak) => {
+                q.timer.answered();
                 for e in q.sq.iter_mut() {
-                    if !wire::seq_before(e.seq, h.seq) {
+                    if !wire::psn_before(e.seq, h.seq) {
                         break;
                     }
                     if e.response_into.is_none() {
@@ -120,16 +156,31 @@ impl QueuePair {
                     Nak::InvalidRequest => WcStatus::RemInvReqErr,
                     Nak::RemoteOperational => WcStatus::RemOpErr,
                     Nak::RemoteAccess => WcStatus::RemAccessErr,
+                    Nak::ReceiverNotReady => unreachable!("handled above"),
                 };
                 self.fail_entry(q, h.seq, status);
             }
         }
     }
 
+    /// A cumulative acknowledgement from the peer (alone, or piggybacked on its request):
+    /// every send up to and including `seq` was delivered. Ignored unless `seq` lies between
+    /// what was acknowledged already and the last PSN sent.
+    pub(super) fn peer_acknowledged(&self, q: &mut Queues, seq: u32) {
+        if answers_sent(q, seq) {
+            q.timer.answered();
+            self.apply_ack(q, seq);
+        }
+    }
+
     /// Every send up to and including `seq` was delivered: complete them (in post order).
     pub(super) fn apply_ack(&self, q: &mut Queues, seq: u32) {
+        if wire::psn_before(q.acked_psn, seq) {
+            q.acked_psn = seq;
+            q.timer.progressed();
+        }
         for e in q.sq.iter_mut() {
-            if wire::seq_before(seq, e.seq) {
+            if wire::psn_before(seq, e.seq) {
                 break;
             }
             if e.response_into.is_none() {
@@ -147,7 +198,7 @@ impl QueuePair {
         payload: AmPayload<'_>,
     ) -> bool {
         self.locked_then_send(locked, |q| {
-            if q.peer.as_ref().map(|p| p.qpn) != Some(h.src_qpn) {
+            if !from_peer(q, &h) {
                 return false;
             }
             let Some(e) =
@@ -156,6 +207,7 @@ impl QueuePair {
             else {
                 return false;
             };
+            q.timer.answered();
             let Some(spans) = e.response_into.clone() else {
                 return false;
             };
@@ -202,4 +254,18 @@ impl QueuePair {
             self.release_send_completions(q);
         })
     }
+}
+
+/// `h` comes from the QP this one is connected to: its LID and QP number.
+pub(super) fn from_peer(q: &Queues, h: &Header) -> bool {
+    q.peer
+        .as_ref()
+        .is_some_and(|p| p.qpn == h.src_qpn && p.lid == h.src_lid)
+}
+
+/// `seq` names what this QP sent and was not acknowledged before it (or the newest PSN
+/// acknowledged, which a re-ACK repeats): [`acked_psn`, last sent].
+fn answers_sent(q: &Queues, seq: u32) -> bool {
+    let last_sent = wire::psn_prev(q.next_send_seq);
+    !wire::psn_before(seq, q.acked_psn) && !wire::psn_before(last_sent, seq)
 }

@@ -10,6 +10,7 @@
 //! | [`responder`] | RC arrivals: peer and sequence checks, RNR waiting, key checks, READ/atomic execution, ACKs |
 //! | [`receive`] | `ibv_post_recv`, receive checks, data placement, in-order receive completions |
 //! | [`completer`] | ACK/NAK and READ/atomic responses → send completions in post order; flush |
+//! | [`timer`] | the transport timer: retransmission, RETRY_EXC_ERR |
 //! | [`unreliable`] | the UC and UD receive side (nothing acknowledged, nothing waits) |
 //!
 //! This file holds the queue pair itself, its creation and destruction, the lock-then-send
@@ -21,6 +22,7 @@ mod queues;
 mod receive;
 mod requester;
 mod responder;
+mod timer;
 mod transition;
 mod unreliable;
 
@@ -54,7 +56,12 @@ pub struct QueuePair {
     pub local_lid: u16,
     handle: AtomicUsize,
     queues: Mutex<Queues>,
+    /// Told when the transport timer (or the RNR retry count) fails the QP.
+    on_transport_error: Mutex<Option<TransportErrorHook>>,
 }
+
+/// What the owner of a QP (the connection manager) does when the QP's peer stopped answering.
+pub type TransportErrorHook = Arc<dyn Fn() + Send + Sync>;
 
 impl QueuePair {
     #[allow(clippy::too_many_arguments)]
@@ -92,6 +99,7 @@ impl QueuePair {
             local_lid,
             handle: AtomicUsize::new(0),
             queues: Mutex::new(Queues::new()),
+            on_transport_error: Mutex::new(None),
         }))
     }
 
@@ -163,6 +171,27 @@ impl QueuePair {
         }
     }
 
+    /// Runs `hook` (without the QP's lock) when the transport timer or the RNR retry count
+    /// fails this QP: its peer stopped answering.
+    pub fn on_transport_error(&self, hook: Option<TransportErrorHook>) {
+        *self
+            .on_transport_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = hook;
+    }
+
+    /// The QP's peer stopped answering: tells the owner's hook (no lock of the QP held).
+    fn transport_failed(&self) {
+        let hook = self
+            .on_transport_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
     pub fn state(&self) -> QpState {
         self.queues().state
     }
@@ -184,7 +213,11 @@ impl QueuePair {
             q.rq.clear();
             q.state = QpState::Reset;
             self.handle.store(0, Ordering::Release);
+            if q.dropped > 0 {
+                tracing::debug!("qp {:#x}: {} requests dropped", self.qp_num, q.dropped);
+            }
         });
+        self.on_transport_error(None);
         self.pd.release_child();
         self.send_cq.release_user();
         self.recv_cq.release_user();
@@ -227,5 +260,9 @@ impl MessageReceiver for QueuePair {
         if self.qp_type == QpType::Rc && self.peer_endpoint().is_some_and(|ep| ep.failed()) {
             self.fail(locked, WcStatus::RetryExcErr);
         }
+    }
+
+    fn tick(self: Arc<Self>, locked: &LockedWorker<'_>, now: std::time::Instant) -> bool {
+        QueuePair::tick(&self, locked, now)
     }
 }

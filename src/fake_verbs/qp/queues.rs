@@ -1,7 +1,8 @@
 //! The state the requester, responder and completer share, behind the queue pair's one lock:
-//! the send queue with each WR's outcome, the receive queue, the responder's sequence state
-//! (early and waiting messages, requests whose data is still landing), the ACK owed, and the
-//! outbox of UCX work started only once that lock is released.
+//! the send queue with each WR's outcome (and what it takes to send it again), the transport
+//! timer, the receive queue, the responder's sequence state (early and waiting messages,
+//! requests whose data is still landing), the ACK owed, and the outbox of UCX work started
+//! only once that lock is released.
 
 use super::super::device;
 use super::super::qp_state::QpState;
@@ -27,6 +28,20 @@ pub(super) struct SendEntry {
     pub(super) response_into: Option<SmallVec<[AppSpan; 4]>>,
     /// A READ whose rendezvous response UCX is writing into `response_into` right now.
     pub(super) pulling: bool,
+    /// RC messages: the header (without a piggybacked ACK) and payload to retransmit it with
+    /// (application memory stays valid until the WR completes, by the verbs contract).
+    pub(super) resend: Option<(Header, SendPayload)>,
+    /// Sends of this message UCX has not finished with yet (it holds its buffers, and a
+    /// message still leaving this process cannot have been dropped by the responder, so it is
+    /// not sent again).
+    pub(super) in_ucx: i16,
+}
+
+impl SendEntry {
+    /// Waiting for the responder: sent (or to be sent again), not answered, not landing.
+    pub(super) fn unanswered(&self) -> bool {
+        self.outcome.is_none() && !self.pulling && self.resend.is_some()
+    }
 }
 
 /// A message body: the running handler's, or one kept until it can be delivered.
@@ -136,13 +151,28 @@ pub(super) struct Queues {
     pub(super) attrs: QpAttributes,
     pub(super) peer: Option<Peer>,
     pub(super) sq: VecDeque<SendEntry>,
+    /// The PSN of the next message (from `sq_psn` at RTS).
     pub(super) next_send_seq: u32,
+    /// Requester: the newest PSN the responder acknowledged (`sq_psn - 1` before any); an
+    /// answer naming a PSN outside [`acked_psn`, last sent] is not the peer's and is ignored.
+    pub(super) acked_psn: u32,
+    /// The transport timer ([`super::timer`]).
+    pub(super) timer: super::timer::Timer,
     pub(super) rq: VecDeque<RecvRequest>,
+    /// Responder: the PSN the next request must carry (from `rq_psn` at RTR).
     pub(super) expected_seq: u32,
+    /// Responder: the newest PSN delivered and acknowledged (`rq_psn - 1` before any); a
+    /// duplicate is answered with it.
+    pub(super) last_delivered: u32,
     /// Messages that arrived ahead of `expected_seq`.
     pub(super) early: BTreeMap<u32, Pending>,
-    /// In-order messages waiting for a receive WR (RNR: kept, as with infinite rnr_retry).
+    /// In-order messages waiting for a receive WR (RNR), at most [`MAX_KEPT_MESSAGES`] and
+    /// [`MAX_KEPT_BYTES`] with `early`; beyond, a message is dropped and RNR-NAKed.
     pub(super) waiting: VecDeque<Pending>,
+    /// Bytes of the eager bodies in `early` and `waiting`.
+    pub(super) kept_bytes: usize,
+    /// Requests dropped (not from the peer, not in RTR, out of sequence, over the bounds).
+    pub(super) dropped: u64,
     /// Receives whose data is still landing (rendezvous), completed in order.
     pub(super) landing: VecDeque<Landing>,
     /// The newest delivered sequence number the peer has not been told about; it rides on the
@@ -160,8 +190,13 @@ pub(super) struct Queues {
     pub(super) last_wqe_raised: bool,
 }
 
-/// Most messages a QP keeps for a receiver that is not yet ready (RTR) or has no WR posted.
-pub(super) const MAX_KEPT_MESSAGES: usize = 1 << 16;
+/// Most messages an RC QP in RTR keeps for later (ahead of sequence, or waiting for a receive
+/// WR); a QP not in RTR keeps none. What exceeds it is dropped and retransmitted by the
+/// requester.
+pub(super) const MAX_KEPT_MESSAGES: usize = 256;
+/// Most bytes of eager message bodies an RC QP keeps (rendezvous bodies stay at the sender
+/// until they are delivered).
+pub(super) const MAX_KEPT_BYTES: usize = 4 << 20;
 
 /// Turns a handler's payload into something that outlives the handler.
 pub(super) fn keep(payload: AmPayload<'_>) -> (Body<'static>, bool) {
@@ -172,6 +207,7 @@ pub(super) fn keep(payload: AmPayload<'_>) -> (Body<'static>, bool) {
 }
 
 pub(super) fn release_kept(q: &mut Queues) {
+    q.kept_bytes = 0;
     let early = std::mem::take(&mut q.early);
     let held: Vec<AmData> = early
         .into_values()
@@ -197,10 +233,15 @@ impl Queues {
             peer: None,
             sq: VecDeque::new(),
             next_send_seq: 0,
+            acked_psn: wire::PSN_MASK,
+            timer: super::timer::Timer::default(),
             rq: VecDeque::new(),
             expected_seq: 0,
+            last_delivered: wire::PSN_MASK,
             early: BTreeMap::new(),
             waiting: VecDeque::new(),
+            kept_bytes: 0,
+            dropped: 0,
             landing: VecDeque::new(),
             ack_owed: None,
             acks_unsent: 0,

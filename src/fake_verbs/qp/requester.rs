@@ -1,7 +1,8 @@
 //! The requester (rxe's `rxe_req.c`): checks a send WR against the QP (`ibv_post_send`'s
-//! errors), queues it with its sequence number, builds the message header (piggybacking an
-//! owed ACK) and starts the UCX send once the queue lock is released. UC and UD sends
-//! complete here, when UCX is done with the buffer; RC sends wait for the completer.
+//! errors), queues it with its PSN (numbered from `sq_psn`), builds the message header
+//! (piggybacking an owed ACK) and starts the UCX send once the queue lock is released. UC and
+//! UD sends complete here, when UCX is done with the buffer; RC sends wait for the completer,
+//! and keep what it takes to send them again ([`super::timer`]).
 
 use super::super::mr::local_spans;
 use super::super::qp_state::{QpState, QpType};
@@ -79,11 +80,13 @@ impl QueuePair {
                         wr_id: req.wr_id,
                         opcode: req.opcode.completion_opcode(),
                         signaled: true,
-                        seq: q.next_send_seq.wrapping_sub(1),
+                        seq: wire::psn_prev(q.next_send_seq),
                         byte_len: 0,
                         outcome: Some(WcStatus::WrFlushErr),
                         response_into: None,
                         pulling: false,
+                        resend: None,
+                        in_ucx: 0,
                     });
                 }
                 return Ok(None);
@@ -148,7 +151,7 @@ impl QueuePair {
             return Ok(done);
         }
         let seq = q.next_send_seq;
-        q.next_send_seq = seq.wrapping_add(1);
+        q.next_send_seq = wire::psn_add(seq, 1);
         q.sq.push_back(SendEntry {
             wr_id: req.wr_id,
             opcode: req.opcode.completion_opcode(),
@@ -158,6 +161,8 @@ impl QueuePair {
             outcome: None,
             response_into: None,
             pulling: false,
+            resend: None,
+            in_ucx: 0,
         });
         let payload = match (op, req.inline_data) {
             (_, Some(bytes)) => SendPayload::Owned(bytes),
@@ -253,6 +258,13 @@ impl QueuePair {
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
+        if self.qp_type == QpType::Rc {
+            // Kept until answered, to be sent again if the responder dropped it.
+            if let Some(e) = q.sq.back_mut() {
+                e.resend = Some((header, payload.clone()));
+            }
+            self.run_timer(q);
+        }
         if let Some(ack) = q.ack_owed.take() {
             header.flags |= wire::FLAG_ACK;
             header.ack_seq = ack;
@@ -286,7 +298,7 @@ impl QueuePair {
                     payload,
                     move |locked, result| match result {
                         Ok(()) if unreliable => me.sent(locked, seq),
-                        Ok(()) => {}
+                        Ok(()) => me.note_in_ucx(locked, seq, -1),
                         Err(e) => {
                             tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
                             if unreliable {
@@ -302,6 +314,8 @@ impl QueuePair {
         };
         match (result, data_seq) {
             (Ok(SendState::Done), Some(seq)) if unreliable => self.sent(locked, seq),
+            // UCX still holds its buffers: not a candidate for retransmission until it is done.
+            (Ok(SendState::Pending), Some(seq)) if !unreliable => self.note_in_ucx(locked, seq, 1),
             (Ok(_), _) | (Err(_), None) => {}
             (Err(e), Some(seq)) => {
                 tracing::debug!(
@@ -374,11 +388,13 @@ impl QueuePair {
             opcode: req.opcode.completion_opcode(),
             signaled: req.signaled || self.sq_sig_all,
             // Sorts with the last message sent: ACKs and NAKs never name it.
-            seq: q.next_send_seq.wrapping_sub(1),
+            seq: wire::psn_prev(q.next_send_seq),
             byte_len: length as u32,
             outcome: Some(WcStatus::Success),
             response_into: None,
             pulling: false,
+            resend: None,
+            in_ucx: 0,
         });
         self.release_send_completions(q);
         Some(None)

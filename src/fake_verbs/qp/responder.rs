@@ -1,18 +1,24 @@
-//! The RC responder (rxe's `rxe_resp.c`): takes what arrives for the QP from its connected
-//! peer only, checks the sequence (early messages wait in a reorder map, duplicates are
-//! dropped), holds in-order messages that find no receive WR (RNR), checks rkeys and access
-//! before a WRITE, READ or atomic touches memory (else NAK, QP to ERR), executes READs and
-//! atomics after every earlier request took effect, and acknowledges what took effect
-//! (coalesced: on the next outgoing message, every [`ACK_BATCH`] deliveries, or when the
-//! engine flushes owed ACKs). Where the data lands is [`super::receive`].
+//! The RC responder (rxe's `rxe_resp.c`): takes requests only in RTR (or later) and only from
+//! the connected peer (the LID and QP its RTR attributes name), checks the PSN against the
+//! sequence that starts at `rq_psn` (early messages wait in a bounded reorder map; a duplicate
+//! is dropped and answered: re-ACKed, or RNR-NAKed while it waits for a receive), holds a
+//! bounded number of in-order messages that find no receive WR (beyond: dropped and
+//! RNR-NAKed, the requester sends it again), checks rkeys and access before a WRITE, READ or
+//! atomic touches memory (else NAK, QP to ERR), executes READs and atomics after every
+//! earlier request took effect, and acknowledges what took effect (coalesced: on the next
+//! outgoing message, every [`ACK_BATCH`] deliveries, or when the engine flushes owed ACKs).
+//! Everything else is dropped and counted (`UGDR_LOG=debug` shows the count). Where the data
+//! lands is [`super::receive`].
 
 use super::super::context::EVENT_QP_ACCESS_ERR;
 use super::super::mr;
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::RecvRequest;
 use super::QueuePair;
+use super::completer::from_peer;
 use super::queues::{
-    Body, Deferred, Landing, MAX_KEPT_MESSAGES, Pending, Queues, Response, keep, needs_receive,
+    Body, Deferred, Landing, MAX_KEPT_BYTES, MAX_KEPT_MESSAGES, Pending, Queues, Response, keep,
+    needs_receive,
 };
 use crate::engine::wire::{self, Header, Nak, Op};
 use crate::ucp::{AmPayload, AppSpan, LockedWorker, SendPayload};
@@ -44,70 +50,125 @@ impl QueuePair {
             self.on_unreliable_locked(q, h, payload);
             return false;
         }
-        let connected = q.peer.as_ref().map(|p| p.qpn);
+        if !matches!(
+            q.state,
+            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+        ) {
+            // As a HCA drops packets to a QP that is not ready: the requester sends it again.
+            self.drop_request(q, &h, "the QP is not in RTR");
+            return false;
+        }
+        if !from_peer(q, &h) {
+            self.drop_request(q, &h, "not from the connected peer");
+            return false;
+        }
         if h.flags & wire::FLAG_ACK != 0
-            && connected == Some(h.src_qpn)
             && matches!(q.state, QpState::Rts | QpState::Sqd | QpState::Sqe)
         {
-            self.apply_ack(q, h.ack_seq);
+            self.peer_acknowledged(q, h.ack_seq);
         }
-        match q.state {
-            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => {
-                if connected != Some(h.src_qpn) {
-                    tracing::debug!(
-                        "qp {:#x}: dropping message from qp {:#x} (not the connected peer)",
-                        self.qp_num,
-                        h.src_qpn
-                    );
-                    return false;
-                }
-                self.established(q);
-            }
-            QpState::Init => {
-                // The peer is already in RTS while this side is not yet in RTR: a HCA would
-                // drop the packet and the sender retransmit; keep it instead, until RTR.
-                if q.early.len() >= MAX_KEPT_MESSAGES {
-                    return false;
-                }
-                let (body, kept) = keep(payload);
-                q.early.insert(h.seq, Pending { header: h, body });
-                return kept;
-            }
-            _ => return false,
-        }
+        self.established(q);
         if h.seq != q.expected_seq {
-            if wire::seq_before(h.seq, q.expected_seq) || q.early.len() >= MAX_KEPT_MESSAGES {
-                return false; // a duplicate, or too far ahead
+            if wire::psn_before(h.seq, q.expected_seq) || q.early.contains_key(&h.seq) {
+                self.on_duplicate(q, &h);
+                return false;
             }
-            let (body, kept) = keep(payload);
-            q.early.insert(h.seq, Pending { header: h, body });
-            return kept;
+            if !self.may_keep(q, &payload) {
+                self.drop_request(q, &h, "ahead of sequence, and the QP keeps enough");
+                return false;
+            }
+            return self.keep_pending(q, h, payload, true);
         }
-        q.expected_seq = q.expected_seq.wrapping_add(1);
         let receive = if q.waiting.is_empty() && needs_receive(&h) {
             self.take_receive(q)
         } else {
             None
         };
         let kept = if q.waiting.is_empty() && (!needs_receive(&h) || receive.is_some()) {
+            q.expected_seq = wire::psn_add(q.expected_seq, 1);
             self.execute(q, h, Body::Current(payload), receive);
             false
         } else {
             if let Some(srq) = self.srq.as_ref().filter(|_| needs_receive(&h)) {
                 srq.note_starving(self);
             }
-            let (body, kept) = keep(payload);
-            q.waiting.push_back(Pending { header: h, body });
-            kept
+            if !self.may_keep(q, &payload) {
+                // Receiver not ready, and it keeps enough: the requester's timer sends it
+                // again. Those already waiting are RNR-NAKed when their duplicates come.
+                self.drop_request(q, &h, "no receive WR, and the QP keeps enough");
+                if q.waiting.is_empty() {
+                    self.send_ack(q, h.seq, Some(Nak::ReceiverNotReady));
+                }
+                return false;
+            }
+            q.expected_seq = wire::psn_add(q.expected_seq, 1);
+            self.keep_pending(q, h, payload, false)
         };
         self.drain_early(q);
         kept
     }
 
+    /// Whether the QP may keep one more message with this payload.
+    fn may_keep(&self, q: &Queues, payload: &AmPayload<'_>) -> bool {
+        q.early.len() + q.waiting.len() < MAX_KEPT_MESSAGES
+            && q.kept_bytes + eager_len(payload) <= MAX_KEPT_BYTES
+    }
+
+    /// Keeps a message for later: in the reorder map (`early`) or at the end of the in-order
+    /// messages waiting for a receive WR. Returns whether UCX must keep the payload.
+    fn keep_pending(&self, q: &mut Queues, h: Header, payload: AmPayload<'_>, early: bool) -> bool {
+        q.kept_bytes += eager_len(&payload);
+        let (body, kept) = keep(payload);
+        let p = Pending { header: h, body };
+        if early {
+            q.early.insert(h.seq, p);
+        } else {
+            q.waiting.push_back(p);
+        }
+        kept
+    }
+
+    /// A request this QP already has (the requester's timer sent it again): dropped, and
+    /// answered so the requester knows where the responder stands: an RNR NAK while it waits
+    /// for a receive WR, else the newest acknowledgement (coalesced with the ACKs owed).
+    fn on_duplicate(&self, q: &mut Queues, h: &Header) {
+        if let Some(front) = q.waiting.front().map(|p| p.header.seq)
+            && !wire::psn_before(h.seq, front)
+        {
+            if h.seq == front {
+                self.send_ack(q, front, Some(Nak::ReceiverNotReady));
+            }
+            return;
+        }
+        tracing::trace!("qp {:#x}: duplicate psn {:#x}", self.qp_num, h.seq);
+        if q.ack_owed.is_none() {
+            q.ack_owed = Some(q.last_delivered);
+            crate::engine::owe_ack(self.qp_num);
+        }
+    }
+
+    /// Counts a request the responder does not take (`UGDR_LOG=debug` shows the count at
+    /// each power of two, `trace` every one).
+    pub(super) fn drop_request(&self, q: &mut Queues, h: &Header, why: &str) {
+        q.dropped += 1;
+        let debug = q.dropped.is_power_of_two() && tracing::enabled!(tracing::Level::DEBUG);
+        if debug || tracing::enabled!(tracing::Level::TRACE) {
+            let what = format!(
+                "qp {:#x} in {:?}: dropped {:?} psn {:#x} from lid {:#06x} qp {:#x}: {why}",
+                self.qp_num, q.state, h.op, h.seq, h.src_lid, h.src_qpn
+            );
+            if debug {
+                tracing::debug!("{what} ({} dropped so far)", q.dropped);
+            } else {
+                tracing::trace!("{what}");
+            }
+        }
+    }
+
     /// Moves messages that arrived early and are now next in sequence to the delivery path.
     pub(super) fn drain_early(self: &Arc<Self>, q: &mut Queues) {
         while let Some(p) = q.early.remove(&q.expected_seq) {
-            q.expected_seq = q.expected_seq.wrapping_add(1);
+            q.expected_seq = wire::psn_add(q.expected_seq, 1);
             q.waiting.push_back(p);
         }
         self.deliver_waiting(q);
@@ -134,6 +195,9 @@ impl QueuePair {
                 None
             };
             let p = q.waiting.pop_front().expect("checked");
+            q.kept_bytes = q
+                .kept_bytes
+                .saturating_sub(p.body.bytes_if_eager().map_or(0, <[u8]>::len));
             let body = match p.body {
                 Body::Owned(b) => Body::Owned(b),
                 Body::Held(d) => Body::Held(d),
@@ -313,6 +377,7 @@ impl QueuePair {
             return;
         }
         let first = q.ack_owed.is_none();
+        q.last_delivered = seq;
         q.ack_owed = Some(seq);
         q.acks_unsent += 1;
         if q.acks_unsent >= ACK_BATCH {
@@ -338,5 +403,14 @@ impl QueuePair {
             payload: SendPayload::None,
             data_seq: None,
         });
+    }
+}
+
+/// The bytes a kept payload holds in memory (a rendezvous body stays at its sender).
+fn eager_len(payload: &AmPayload<'_>) -> usize {
+    match payload {
+        AmPayload::Transient(b) => b.len(),
+        AmPayload::Persistent(d) => d.len(),
+        AmPayload::Rendezvous(_) => 0,
     }
 }

@@ -12,6 +12,7 @@ use super::attributes::{apply_attrs, check_values};
 use super::queues::{Queues, release_kept};
 use super::{ModifyRequest, Peer, QpAttributes, QueuePair};
 use crate::engine::Engine;
+use crate::engine::wire;
 use crate::ucp::LockedWorker;
 use std::sync::Arc;
 
@@ -102,7 +103,11 @@ impl QueuePair {
                 q.rq.clear();
                 q.peer = None;
                 q.next_send_seq = 0;
+                q.acked_psn = wire::PSN_MASK;
+                q.timer.restart();
                 q.expected_seq = 0;
+                q.last_delivered = wire::PSN_MASK;
+                q.dropped = 0;
                 q.ack_owed = None;
                 q.acks_unsent = 0;
                 q.comm_established = false;
@@ -120,18 +125,18 @@ impl QueuePair {
                 self.flush(q);
             }
             QpState::Rtr => {
+                // Nothing arrived before (a QP in INIT keeps nothing): the sequence starts at
+                // the PSN the requester numbers from.
                 q.state = QpState::Rtr;
                 q.peer = peer;
-                q.expected_seq = 0;
-                if !q.early.is_empty() {
-                    self.established(q);
-                }
-                // Messages that arrived before RTR (the peer may be faster) are delivered now.
-                self.drain_early(q);
+                q.expected_seq = q.attrs.rq_psn & wire::PSN_MASK;
+                q.last_delivered = wire::psn_prev(q.expected_seq);
             }
             QpState::Rts => {
                 if q.state == QpState::Rtr {
-                    q.next_send_seq = 0;
+                    q.next_send_seq = q.attrs.sq_psn & wire::PSN_MASK;
+                    q.acked_psn = wire::psn_prev(q.next_send_seq);
+                    q.timer.restart();
                 }
                 q.state = QpState::Rts;
                 q.sqd_notify = false;

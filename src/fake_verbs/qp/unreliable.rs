@@ -1,8 +1,10 @@
 //! The receive side of UC and UD queue pairs: nothing is acknowledged, nothing waits.
 //!
-//! * UC (IBA 9.7.7, 10.2.5): SEND(+imm) and RDMA WRITE(+imm) from the connected QP. A message
-//!   that finds no receive WR, or a WRITE its rkey does not allow, is dropped silently; the
-//!   sender has already completed.
+//! * UC (IBA 9.7.7, 10.2.5): SEND(+imm) and RDMA WRITE(+imm) from the connected QP (its LID
+//!   and QP number), in PSN order from `rq_psn`: a PSN behind the expected one is dropped, one
+//!   ahead is taken and the sequence resumes after it (what was skipped is lost, as UC loses
+//!   it). A message that finds no receive WR, or a WRITE its rkey does not allow, is dropped
+//!   silently; the sender has already completed.
 //! * UD (IBA 10.2.4, 11.4.1.1): datagrams from any QP, matched by destination QP number; a
 //!   Q_Key other than the QP's is dropped silently, so is a datagram that finds no receive WR
 //!   (UD has no RNR). Every receive starts with the 40-byte GRH area, counted in `byte_len`;
@@ -10,6 +12,7 @@
 //!   IBV_WC_GRH.
 
 use super::QueuePair;
+use super::completer::from_peer;
 use super::queues::{Body, Queues};
 use crate::engine::wire::{self, Header, Op};
 use crate::fake_verbs::device::GRH_LEN;
@@ -169,16 +172,15 @@ impl QueuePair {
     }
 
     fn on_uc_message(self: &Arc<Self>, q: &mut Queues, h: Header, payload: AmPayload<'_>) {
-        if q.peer.as_ref().map(|p| p.qpn) != Some(h.src_qpn) || h.flags & wire::FLAG_UNRELIABLE == 0
-        {
-            tracing::debug!(
-                "qp {:#x}: dropping {:?} from qp {:#x} (not the connected UC peer)",
-                self.qp_num,
-                h.op,
-                h.src_qpn
-            );
+        if !from_peer(q, &h) || h.flags & wire::FLAG_UNRELIABLE == 0 {
+            self.drop_request(q, &h, "not from the connected UC peer");
             return;
         }
+        if wire::psn_before(h.seq, q.expected_seq) {
+            self.drop_request(q, &h, "behind the expected PSN");
+            return;
+        }
+        q.expected_seq = wire::psn_add(h.seq, 1);
         self.established(q);
         let body = Body::Current(payload);
         let len = body.len();

@@ -1,0 +1,229 @@
+//! The RC requester's transport timer (IBA 9.7.6.1.3, rxe's retransmit timer): a request the
+//! responder does not answer within the QP's local ACK timeout (`timeout`: 4.096 µs ×
+//! 2^timeout) is sent again, with the same PSN, from the oldest unanswered one on (go back
+//! N); after `retry_cnt` such retries without an answer it completes with
+//! IBV_WC_RETRY_EXC_ERR, the QP goes to ERR and flushes the rest.
+//!
+//! UCX loses nothing on a live connection, so a message needs a retransmission only when the
+//! responder dropped it (its QP was not in RTR yet, it kept too much already), and the timer's
+//! main work is noticing a peer that no longer answers (a cut link: UCX's TCP connection just
+//! stalls). Any answer from the peer's responder counts: an ACK (also the re-ACK of a
+//! duplicate), an RNR NAK, a READ or atomic response. ugdr acknowledges whole messages, not
+//! packets, so a large message may take longer than the timeout to cross: each expiry allows
+//! [`MIN_BANDWIDTH`] for the bytes still unanswered on top of the timeout.
+//!
+//! The engine's progress thread ticks the QPs that armed the timer ([`crate::engine::TIMER_TICK`]),
+//! so it runs while the application sleeps or spins.
+
+use super::QueuePair;
+use super::queues::{Deferred, Queues};
+use crate::fake_verbs::qp_state::QpState;
+use crate::fake_verbs::work::WcStatus;
+use crate::ucp::LockedWorker;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The shortest local ACK timeout ugdr applies: its acknowledgements come from the peer's
+/// CPU, not from a HCA, so a few milliseconds of silence mean nothing.
+const MIN_ACK_TIMEOUT: Duration = Duration::from_millis(20);
+/// The local ACK timeout 0 means "infinite" (IBA): such a QP never fails for lack of an
+/// answer, but what its responder dropped is still sent again at this pace.
+const INFINITE_TIMEOUT_RESEND: Duration = Duration::from_millis(67);
+/// The slowest transfer rate a message is granted (bytes per second) before its silence
+/// counts against the retry count.
+const MIN_BANDWIDTH: u64 = 32 << 20;
+/// `rnr_retry` 7 means retry forever (IBA 9.7.5.2.8).
+const RNR_RETRY_INFINITE: u8 = 7;
+
+/// The transport timer's state (in the QP's queues).
+#[derive(Debug, Default)]
+pub(super) struct Timer {
+    /// On the engine's list of QPs it ticks.
+    pub(super) armed: bool,
+    /// When the current wait for an answer started: set by the first tick that sees a
+    /// request unanswered, cleared by every answer.
+    started: Option<Instant>,
+    /// Expirations since the last answer (against `retry_cnt`).
+    retries: u8,
+    /// RNR NAKs since the responder last acknowledged something new (against `rnr_retry`).
+    rnr_retries: u8,
+    /// The timer or the RNR count failed the QP: the owner (rdma_cm) is told once the lock is
+    /// released.
+    pub(super) failed: bool,
+}
+
+impl Timer {
+    /// An answer from the peer's responder: the wait starts over.
+    pub(super) fn answered(&mut self) {
+        self.started = None;
+        self.retries = 0;
+    }
+
+    /// The responder acknowledged something new: it is not stuck on a receive any more.
+    pub(super) fn progressed(&mut self) {
+        self.answered();
+        self.rnr_retries = 0;
+    }
+
+    /// After an RNR NAK: whether `rnr_retry` allows another try.
+    pub(super) fn rnr_retry_allowed(&mut self, rnr_retry: u8) -> bool {
+        self.answered();
+        if rnr_retry >= RNR_RETRY_INFINITE {
+            return true;
+        }
+        self.rnr_retries = self.rnr_retries.saturating_add(1);
+        self.rnr_retries <= rnr_retry
+    }
+
+    /// Back to a QP that sent nothing yet (RESET, and RTS from RTR).
+    pub(super) fn restart(&mut self) {
+        *self = Timer {
+            armed: self.armed,
+            ..Timer::default()
+        };
+    }
+}
+
+/// How long the requester waits for an answer: 4.096 µs × 2^`code` (at least
+/// [`MIN_ACK_TIMEOUT`]), plus [`MIN_BANDWIDTH`]'s time for `bytes` still unanswered.
+fn ack_timeout(code: u8, bytes: u64) -> Duration {
+    let base = match code {
+        0 => INFINITE_TIMEOUT_RESEND,
+        c => Duration::from_nanos(4096u64 << c.min(31)).max(MIN_ACK_TIMEOUT),
+    };
+    base + Duration::from_nanos(bytes.saturating_mul(1_000_000_000) / MIN_BANDWIDTH)
+}
+
+impl QueuePair {
+    /// A message that waits for an answer went out: the engine ticks this QP's timer.
+    pub(super) fn run_timer(&self, q: &mut Queues) {
+        if !q.timer.armed {
+            q.timer.armed = true;
+            crate::engine::arm_timer(self.qp_num);
+        }
+    }
+
+    /// One tick of the transport timer (the engine's progress thread). Returns whether it
+    /// keeps running.
+    pub fn tick(self: &Arc<Self>, locked: &LockedWorker<'_>, now: Instant) -> bool {
+        let (running, failed) = self.locked_then_send(locked, |q| {
+            let running = self.tick_locked(q, now);
+            (running, std::mem::take(&mut q.timer.failed))
+        });
+        if failed {
+            self.transport_failed();
+        }
+        running
+    }
+
+    fn tick_locked(&self, q: &mut Queues, now: Instant) -> bool {
+        let (first, bytes) =
+            q.sq.iter()
+                .filter(|e| e.unanswered())
+                .fold((None, 0u64), |(first, bytes), e| {
+                    (first.or(Some(e.seq)), bytes + u64::from(e.byte_len))
+                });
+        let sending = matches!(q.state, QpState::Rts | QpState::Sqd) && q.peer.is_some();
+        let Some(first) = first.filter(|_| sending) else {
+            q.timer.armed = false;
+            q.timer.answered();
+            return false;
+        };
+        let Some(started) = q.timer.started else {
+            q.timer.started = Some(now);
+            return true;
+        };
+        if now.duration_since(started) < ack_timeout(q.attrs.timeout, bytes) {
+            return true;
+        }
+        if q.attrs.timeout != 0 && q.timer.retries >= q.attrs.retry_cnt {
+            tracing::debug!(
+                "qp {:#x}: psn {first:#x} unanswered after {} retries: transport retry counter exceeded",
+                self.qp_num,
+                q.timer.retries
+            );
+            q.timer.armed = false;
+            q.timer.failed = true;
+            self.fail_entry(q, first, WcStatus::RetryExcErr);
+            return false;
+        }
+        if q.attrs.timeout != 0 {
+            q.timer.retries += 1;
+        }
+        q.timer.started = Some(now);
+        self.retransmit(q);
+        true
+    }
+
+    /// Sends every unanswered message again, oldest first, with its PSN (those UCX is still
+    /// sending are on their way already).
+    fn retransmit(&self, q: &mut Queues) {
+        let Some(peer) = &q.peer else { return };
+        let mut sent = 0u32;
+        for e in q.sq.iter().filter(|e| e.unanswered() && e.in_ucx <= 0) {
+            let Some((header, payload)) = e.resend.clone() else {
+                continue;
+            };
+            q.outbox.push(Deferred::Send {
+                endpoint: Arc::clone(&peer.endpoint),
+                header,
+                payload,
+                data_seq: Some(e.seq),
+            });
+            sent += 1;
+        }
+        tracing::debug!(
+            "qp {:#x}: no answer in time: {sent} message(s) sent again (retry {})",
+            self.qp_num,
+            q.timer.retries
+        );
+    }
+
+    /// A message of this QP entered UCX (`+1`) or UCX finished with it (`-1`).
+    pub(super) fn note_in_ucx(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32, d: i16) {
+        self.locked_then_send(locked, |q| {
+            if let Some(e) =
+                q.sq.iter_mut()
+                    .find(|e| e.seq == seq && e.resend.is_some() && e.outcome.is_none())
+            {
+                e.in_ucx += d;
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ack_timeout_follows_the_ib_formula_above_the_floor() {
+        // ibv_rc_pingpong's 14: 4.096 µs × 2^14 ≈ 67 ms.
+        assert_eq!(ack_timeout(14, 0), Duration::from_nanos(4096 << 14));
+        assert_eq!(ack_timeout(1, 0), MIN_ACK_TIMEOUT);
+        assert_eq!(ack_timeout(0, 0), INFINITE_TIMEOUT_RESEND);
+        assert_eq!(ack_timeout(31, 0), Duration::from_nanos(4096 << 31));
+        // A 32 MiB message in flight adds a second.
+        assert_eq!(
+            ack_timeout(14, 32 << 20),
+            Duration::from_nanos(4096 << 14) + Duration::from_secs(1)
+        );
+    }
+
+    #[test]
+    fn rnr_retry_seven_is_forever_others_count() {
+        let mut t = Timer::default();
+        for _ in 0..1000 {
+            assert!(t.rnr_retry_allowed(7));
+        }
+        let mut t = Timer::default();
+        assert!(t.rnr_retry_allowed(2));
+        assert!(t.rnr_retry_allowed(2));
+        assert!(!t.rnr_retry_allowed(2));
+        // New progress gives the full count back.
+        t.progressed();
+        assert!(t.rnr_retry_allowed(2));
+        let mut t = Timer::default();
+        assert!(!t.rnr_retry_allowed(0));
+    }
+}

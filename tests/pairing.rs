@@ -1,0 +1,576 @@
+//! A connection is a pairing, not a number: an RC QP takes requests only from the LID and QP
+//! its RTR attributes name, in PSN order from `rq_psn`; a QP not yet in RTR keeps nothing (the
+//! requester's transport timer sends it again); what waits for a receive is bounded; QP
+//! numbers are random. Victims, peers and strangers are separate processes (`tests/c/qp_peer.c`),
+//! on one host and in two network namespaces.
+
+mod harness;
+
+use harness::*;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const WC_SUCCESS: u32 = 0;
+const WC_WR_FLUSH_ERR: u32 = 5;
+const WC_RETRY_EXC_ERR: u32 = 12;
+const WC_RNR_RETRY_EXC_ERR: u32 = 13;
+const WC_OP_SEND: u32 = 0;
+const WC_OP_RECV: u32 = 128;
+/// Where qp_peer's receive slots start in its buffer (half of its 16 MiB).
+const RECV_HALF: u64 = 8 << 20;
+/// ibv_rc_pingpong's local ACK timeout (4.096 µs × 2^14 ≈ 67 ms).
+const TIMEOUT_14: Duration = Duration::from_nanos(4096 << 14);
+
+fn qp_peer_exe() -> PathBuf {
+    static EXE: Mutex<Option<PathBuf>> = Mutex::new(None);
+    EXE.lock()
+        .unwrap()
+        .get_or_insert_with(|| build_c("qp_peer", &["-libverbs"]))
+        .clone()
+}
+
+/// One completion as qp_peer prints it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Wc {
+    wr_id: u64,
+    status: u32,
+    opcode: u32,
+    byte_len: u32,
+    qp_num: u32,
+    src_qp: u32,
+    slid: u32,
+}
+
+fn field<T: std::str::FromStr>(line: &str, name: &str) -> T {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{name}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
+}
+
+impl Wc {
+    fn parse(line: &str) -> Wc {
+        Wc {
+            wr_id: field(line, "wr_id"),
+            status: field(line, "status"),
+            opcode: field(line, "opcode"),
+            byte_len: field(line, "byte_len"),
+            qp_num: field(line, "qp_num"),
+            src_qp: field(line, "src_qp"),
+            slid: field(line, "slid"),
+        }
+    }
+}
+
+/// A qp_peer process: one RC QP, driven by commands.
+struct QpPeer {
+    name: String,
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    stderr: Arc<Mutex<Vec<u8>>>,
+    lid: u16,
+    qpn: u32,
+    rkey: u32,
+    addr: u64,
+    pid: i32,
+}
+
+impl QpPeer {
+    /// qp_peer on this host, its buffer filled with `fill`.
+    fn local(name: &str, fill: u8) -> QpPeer {
+        let mut cmd = Command::new(qp_peer_exe());
+        cmd.arg(fill.to_string()).env("LD_PRELOAD", lib_path());
+        QpPeer::start(cmd, name)
+    }
+
+    /// qp_peer in namespace `ns` of `pair`.
+    fn in_namespace(pair: &NetnsPair, ns: &str, name: &str, fill: u8) -> QpPeer {
+        let staged = pair.stage_dir().join("qp_peer");
+        let exe = if staged.is_file() {
+            staged
+        } else {
+            pair.stage(&qp_peer_exe())
+        };
+        let cmd = pair.command(ns, exe.to_str().unwrap(), &[&fill.to_string()]);
+        QpPeer::start(cmd, name)
+    }
+
+    fn start(mut cmd: Command, name: &str) -> QpPeer {
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        let (tx, lines) = channel();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&stderr);
+        let mut err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            let mut chunk = [0u8; 8192];
+            while let Ok(n) = std::io::Read::read(&mut err, &mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        });
+        let stdin = child.stdin.take().unwrap();
+        let mut peer = QpPeer {
+            name: name.to_string(),
+            child,
+            stdin,
+            lines,
+            stderr,
+            lid: 0,
+            qpn: 0,
+            rkey: 0,
+            addr: 0,
+            pid: 0,
+        };
+        let ready = peer.next_line(Duration::from_secs(30));
+        assert!(ready.starts_with("ready "), "{name}: {ready}");
+        peer.lid = field(&ready, "lid");
+        peer.qpn = field(&ready, "qpn");
+        peer.rkey = field(&ready, "rkey");
+        peer.addr = field(&ready, "addr");
+        peer.pid = field(&ready, "pid");
+        peer
+    }
+
+    fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.stderr.lock().unwrap()).into_owned()
+    }
+
+    fn next_line(&mut self, within: Duration) -> String {
+        match self.lines.recv_timeout(within) {
+            Ok(l) => l,
+            Err(RecvTimeoutError::Timeout) => {
+                panic!(
+                    "{}: no answer within {within:?}\n{}",
+                    self.name,
+                    self.stderr()
+                )
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                std::thread::sleep(Duration::from_millis(100));
+                panic!("{}: exited\n{}", self.name, self.stderr())
+            }
+        }
+    }
+
+    /// Runs one command; its answer lines (a verb that failed fails the test).
+    fn cmd(&mut self, command: &str) -> Vec<String> {
+        writeln!(self.stdin, "{command}").expect("qp_peer stdin");
+        let mut answer = Vec::new();
+        loop {
+            let line = self.next_line(Duration::from_secs(60));
+            if line == "done" {
+                break;
+            }
+            answer.push(line);
+        }
+        assert!(
+            !answer.iter().any(|l| l.starts_with("err ")),
+            "{}: {command}: {answer:?}\n{}",
+            self.name,
+            self.stderr()
+        );
+        answer
+    }
+
+    /// INIT → RTR towards `peer` (expecting its PSNs from `rq_psn`) → RTS (numbering from
+    /// `sq_psn`), with `retry_cnt` and `rnr_retry` (timeout 14, as ibv_rc_pingpong).
+    fn connect(&mut self, lid: u16, qpn: u32, rq_psn: u32, sq_psn: u32, retry: u8, rnr: u8) {
+        self.cmd("init");
+        self.cmd(&format!("rtr {lid} {qpn} {rq_psn}"));
+        self.cmd(&format!("rts {sq_psn} 14 {retry} {rnr}"));
+    }
+
+    /// The following commands act on the process's QP `index` (0: the first).
+    fn use_qp(&mut self, index: usize) {
+        let answer = self.cmd(&format!("use {index}"));
+        self.qpn = answer[0].strip_prefix("qpn ").unwrap().parse().unwrap();
+    }
+
+    fn poll(&mut self, n: usize, within: Duration) -> Vec<Wc> {
+        let answer = self.cmd(&format!("poll {n} {}", within.as_millis()));
+        answer
+            .iter()
+            .filter(|l| l.starts_with("wc "))
+            .map(|l| Wc::parse(l))
+            .collect()
+    }
+
+    /// Polls one completion: the receive `wr_id` of `len` bytes from QP `src_qp` at `slid`.
+    fn expect_receive(&mut self, wr_id: u64, len: u32, src_qp: u32, slid: u16) {
+        let got = self.poll(1, Duration::from_secs(10));
+        let expected = Wc {
+            wr_id,
+            status: WC_SUCCESS,
+            opcode: WC_OP_RECV,
+            byte_len: len,
+            qp_num: self.qpn,
+            src_qp,
+            slid: u32::from(slid),
+        };
+        assert_eq!(got, [expected], "{}: {len} bytes", self.name);
+    }
+
+    /// Polls `n` completions (within 30 s); the first one and the count of each status.
+    fn drain(&mut self, n: usize) -> (Option<Wc>, Vec<(u32, usize)>) {
+        let answer = self.cmd(&format!("drain {n} 30000"));
+        let first = answer
+            .iter()
+            .find(|l| l.starts_with("first "))
+            .map(|l| Wc::parse(l));
+        let counts = answer
+            .iter()
+            .filter_map(|l| l.strip_prefix("count "))
+            .map(|c| {
+                let mut it = c.split_whitespace().map(|v| v.parse::<usize>().unwrap());
+                (it.next().unwrap() as u32, it.next().unwrap())
+            })
+            .collect();
+        (first, counts)
+    }
+
+    /// The byte all of `[off, off + len)` of the buffer holds (None: not all the same).
+    fn uniform_bytes(&mut self, off: u64, len: u64) -> Option<u8> {
+        let answer = self.cmd(&format!("bytes {off} {len}"));
+        answer[0]
+            .strip_prefix("bytes uniform ")
+            .map(|v| v.parse().unwrap())
+    }
+
+    fn rss_kib(&mut self) -> u64 {
+        self.cmd("rss")[0]
+            .strip_prefix("rss ")
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for QpPeer {
+    fn drop(&mut self) {
+        // SAFETY: killpg has no memory preconditions; the child leads its own group.
+        unsafe { libc::killpg(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+/// A victim connected to its real peer (PSNs 0x123456 one way, 0xabcdef the other, as a CM
+/// or ibv_rc_pingpong exchanges them), one receive posted on the victim.
+fn victim_and_peer(victim: &mut QpPeer, peer: &mut QpPeer) {
+    victim.connect(peer.lid, peer.qpn, 0x123456, 0xabcdef, 7, 7);
+    peer.connect(victim.lid, victim.qpn, 0xabcdef, 0x123456, 7, 7);
+    victim.cmd("recv 7 4096 1");
+}
+
+/// The stranger's WRITE into the victim's buffer and SEND: both end in RETRY_EXC_ERR (the
+/// victim never answers a stranger) and flush, within the timeout with one retry.
+fn stranger_writes_and_sends(stranger: &mut QpPeer, victim: &QpPeer) {
+    stranger.cmd(&format!("write 1 {} {} 4096", victim.rkey, victim.addr));
+    stranger.cmd("send 2 64 1");
+    let started = Instant::now();
+    let wcs = stranger.poll(2, Duration::from_secs(10));
+    let took = started.elapsed();
+    assert_eq!(wcs.len(), 2, "{wcs:?}\n{}", stranger.stderr());
+    assert_eq!((wcs[0].wr_id, wcs[0].status), (1, WC_RETRY_EXC_ERR));
+    assert_eq!((wcs[1].wr_id, wcs[1].status), (2, WC_WR_FLUSH_ERR));
+    assert!(wcs.iter().all(|w| w.qp_num == stranger.qpn), "{wcs:?}");
+    // Two tries of 67 ms each, ticked every 10 ms; far less than a second.
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+/// The victim's memory and receive are untouched; its real peer's SEND gets the receive.
+fn victim_untouched_then_served_by_its_peer(victim: &mut QpPeer, peer: &mut QpPeer) {
+    assert_eq!(victim.uniform_bytes(0, 4096), Some(0x11), "a WRITE landed");
+    assert!(
+        victim.poll(1, Duration::from_millis(300)).is_empty(),
+        "the stranger's SEND consumed the receive"
+    );
+    peer.cmd("send 10 64 1");
+    let sent = peer.poll(1, Duration::from_secs(10));
+    assert_eq!(sent.len(), 1);
+    assert_eq!(
+        (
+            sent[0].wr_id,
+            sent[0].status,
+            sent[0].opcode,
+            sent[0].byte_len
+        ),
+        (10, WC_SUCCESS, WC_OP_SEND, 64)
+    );
+    victim.expect_receive(7, 64, peer.qpn, peer.lid);
+    // Message 0 starts with its index (0), then the peer's bytes.
+    assert_eq!(victim.uniform_bytes(RECV_HALF, 4), Some(0));
+    assert_eq!(victim.uniform_bytes(RECV_HALF + 4, 60), Some(0x22));
+}
+
+#[test]
+fn a_stranger_connected_to_a_victim_qp_lands_no_write_and_consumes_no_receive() {
+    let mut victim = QpPeer::local("victim", 0x11);
+    let mut peer = QpPeer::local("peer", 0x22);
+    let mut stranger = QpPeer::local("stranger", 0x33);
+    victim_and_peer(&mut victim, &mut peer);
+    // The stranger even uses the PSN the victim expects from its peer.
+    stranger.connect(victim.lid, victim.qpn, 0, 0x123456, 1, 7);
+    stranger_writes_and_sends(&mut stranger, &victim);
+    victim_untouched_then_served_by_its_peer(&mut victim, &mut peer);
+}
+
+/// Across hosts: the stranger is another QP of the peer's own process (same LID, same UCX
+/// endpoint to the victim; each namespace holds one ugdr process, which is a host's view).
+#[test]
+fn a_stranger_on_another_host_lands_no_write_and_consumes_no_receive() {
+    let ns = NetnsPair::new("pv");
+    let (a, b) = (ns.a.clone(), ns.b.clone());
+    let mut victim = QpPeer::in_namespace(&ns, &a, "victim", 0x11);
+    let mut there = QpPeer::in_namespace(&ns, &b, "peer and stranger", 0x22);
+    there.cmd("qpns 1");
+    victim_and_peer(&mut victim, &mut there);
+    there.use_qp(1);
+    there.connect(victim.lid, victim.qpn, 0, 0x123456, 1, 7);
+    stranger_writes_and_sends(&mut there, &victim);
+    there.use_qp(0);
+    victim_untouched_then_served_by_its_peer(&mut victim, &mut there);
+}
+
+/// The victim's configured peer has the stranger's QP number (guessed, or re-created) but
+/// another LID: the stranger's requests carry its own LID and are dropped.
+#[test]
+fn a_stranger_with_the_peers_qp_number_but_another_lid_lands_nothing() {
+    let mut victim = QpPeer::local("victim", 0x11);
+    let peer = QpPeer::local("peer", 0x22);
+    let mut stranger = QpPeer::local("stranger", 0x33);
+    assert_ne!(peer.lid, stranger.lid);
+    victim.connect(peer.lid, stranger.qpn, 0x123456, 0xabcdef, 7, 7);
+    victim.cmd("recv 7 4096 1");
+    stranger.connect(victim.lid, victim.qpn, 0xabcdef, 0x123456, 1, 7);
+    stranger_writes_and_sends(&mut stranger, &victim);
+    assert_eq!(victim.uniform_bytes(0, 4096), Some(0x11), "a WRITE landed");
+    assert!(victim.poll(1, Duration::from_millis(300)).is_empty());
+    // The receive is still there: entering ERR flushes it.
+    victim.cmd("error");
+    let flushed = victim.poll(1, Duration::from_secs(5));
+    assert_eq!(flushed.len(), 1);
+    assert_eq!(
+        (flushed[0].wr_id, flushed[0].status, flushed[0].qp_num),
+        (7, WC_WR_FLUSH_ERR, victim.qpn)
+    );
+}
+
+/// Two qp_peer processes connected to each other: `a` numbers its messages from `a_psn` and
+/// expects `b`'s from `b_psn` (and `b` the other way round); `a` with `rnr_retry` `a_rnr`.
+fn connected_pair(a_psn: u32, b_psn: u32, a_rnr: u8) -> (QpPeer, QpPeer) {
+    let mut a = QpPeer::local("a", 0x11);
+    let mut b = QpPeer::local("b", 0x22);
+    a.connect(b.lid, b.qpn, b_psn, a_psn, 7, a_rnr);
+    b.connect(a.lid, a.qpn, a_psn, b_psn, 7, 7);
+    (a, b)
+}
+
+#[test]
+fn requests_with_a_psn_other_than_the_expected_one_never_deliver() {
+    let mut a = QpPeer::local("a", 0x11);
+    let mut b = QpPeer::local("b", 0x22);
+    // b expects 0x200 where a numbers from 0x100.
+    a.connect(b.lid, b.qpn, 0x300, 0x100, 1, 7);
+    b.connect(a.lid, a.qpn, 0x200, 0x300, 7, 7);
+    b.cmd("recv 7 64 1");
+    a.cmd("send 1 64 1");
+    let wcs = a.poll(1, Duration::from_secs(10));
+    assert_eq!(wcs.len(), 1);
+    assert_eq!((wcs[0].wr_id, wcs[0].status), (1, WC_RETRY_EXC_ERR));
+    assert!(b.poll(1, Duration::from_millis(300)).is_empty());
+}
+
+#[test]
+fn psns_wrap_at_24_bits_in_order() {
+    // Both directions start two PSNs before the wrap to 0.
+    let (mut a, mut b) = connected_pair(0xff_fffe, 0xff_fffe, 7);
+    b.cmd("recv 100 64 8");
+    a.cmd("send 1 64 8");
+    let got = b.poll(8, Duration::from_secs(10));
+    assert_eq!(
+        got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        (100..108).map(|i| (i, WC_SUCCESS)).collect::<Vec<_>>()
+    );
+    assert_eq!(b.cmd("seq 64 8"), ["seq ok"]);
+    assert_eq!(a.drain(8).1, [(WC_SUCCESS, 8)]);
+    // And back, through the same wrap.
+    a.cmd("recv 200 64 3");
+    b.cmd("send 20 64 3");
+    assert_eq!(b.drain(3).1, [(WC_SUCCESS, 3)]);
+    assert_eq!(a.drain(3).1, [(WC_SUCCESS, 3)]);
+}
+
+/// A flood of 32 MiB of SENDs to a QP that never left INIT: nothing is kept (before, up to
+/// 65,536 messages were, and executed at RTR), and the drops show with UGDR_LOG=debug.
+#[test]
+fn an_init_qp_keeps_nothing_of_a_flood() {
+    let mut cmd = Command::new(qp_peer_exe());
+    cmd.arg("17")
+        .env("LD_PRELOAD", lib_path())
+        .env("UGDR_LOG", "debug");
+    let mut victim = QpPeer::start(cmd, "victim");
+    victim.cmd("init");
+    let before = victim.rss_kib();
+    let mut flood = QpPeer::local("flood", 0x33);
+    flood.connect(victim.lid, victim.qpn, 0, 0, 1, 7);
+    flood.cmd("send 1 4096 8192");
+    let (first, counts) = flood.drain(8192);
+    let first = first.expect("completions");
+    assert_eq!((first.wr_id, first.status), (1, WC_RETRY_EXC_ERR));
+    assert_eq!(counts, [(WC_WR_FLUSH_ERR, 8191), (WC_RETRY_EXC_ERR, 1)]);
+    let after = victim.rss_kib();
+    assert!(
+        after < before + 8 * 1024,
+        "the victim grew from {before} KiB to {after} KiB"
+    );
+    let log = victim.stderr();
+    assert!(
+        log.contains("the QP is not in RTR") && log.contains("dropped so far"),
+        "{log}"
+    );
+    // Nothing arrives later either: at RTR the QP starts empty.
+    victim.cmd("recv 7 4096 1");
+    victim.cmd(&format!("rtr {} {} 0", flood.lid, flood.qpn));
+    assert!(victim.poll(1, Duration::from_millis(300)).is_empty());
+}
+
+/// A SEND that reaches a QP still in INIT is dropped; the sender's retransmission delivers
+/// it once the QP is in RTR (for an eager and a rendezvous size).
+#[test]
+fn a_send_before_rtr_arrives_through_the_senders_retransmission() {
+    for len in [64u32, 1 << 20] {
+        let mut victim = QpPeer::local("victim", 0x11);
+        let mut sender = QpPeer::local("sender", 0x22);
+        victim.cmd("init");
+        victim.cmd(&format!("recv 7 {len} 1"));
+        sender.connect(victim.lid, victim.qpn, 0x20, 0x10, 7, 7);
+        sender.cmd(&format!("send 1 {len} 1"));
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(sender.poll(1, Duration::from_millis(0)).is_empty());
+        victim.cmd(&format!("rtr {} {} 16", sender.lid, sender.qpn));
+        victim.expect_receive(7, len, sender.qpn, sender.lid);
+        assert_eq!(
+            victim.uniform_bytes(RECV_HALF + 4, u64::from(len) - 4),
+            Some(0x22)
+        );
+        let sent = sender.poll(1, Duration::from_secs(10));
+        assert_eq!(
+            sent.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+            [(1, WC_SUCCESS)]
+        );
+    }
+}
+
+/// Without retries, the SEND that reached a QP in INIT is lost for good: it fails at the
+/// sender, and the QP, once in RTR, has nothing of it (its receive is still posted).
+#[test]
+fn a_send_before_rtr_is_not_kept_for_later() {
+    let mut victim = QpPeer::local("victim", 0x11);
+    let mut sender = QpPeer::local("sender", 0x22);
+    victim.cmd("init");
+    victim.cmd("recv 7 64 1");
+    sender.connect(victim.lid, victim.qpn, 0x20, 0x10, 0, 7);
+    sender.cmd("send 1 64 1");
+    let started = Instant::now();
+    let wcs = sender.poll(1, Duration::from_secs(10));
+    assert_eq!(
+        wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(1, WC_RETRY_EXC_ERR)]
+    );
+    assert!(started.elapsed() >= TIMEOUT_14, "{:?}", started.elapsed());
+    victim.cmd(&format!("rtr {} {} 16", sender.lid, sender.qpn));
+    assert!(victim.poll(1, Duration::from_millis(300)).is_empty());
+    victim.cmd("error");
+    let flushed = victim.poll(1, Duration::from_secs(5));
+    assert_eq!(
+        flushed
+            .iter()
+            .map(|w| (w.wr_id, w.status))
+            .collect::<Vec<_>>(),
+        [(7, WC_WR_FLUSH_ERR)]
+    );
+}
+
+/// 600 SENDs (more than a QP keeps: 256) to a receiver that posts its receives only later:
+/// the excess is dropped and sent again, and every message arrives once, in order.
+#[test]
+fn receives_posted_late_get_every_message_in_order() {
+    let (mut a, mut b) = connected_pair(0x66, 0x55, 7);
+    a.cmd("send 1 64 600");
+    std::thread::sleep(Duration::from_millis(300));
+    b.cmd("recv 1000 64 600");
+    let (first, counts) = b.drain(600);
+    assert_eq!(first.map(|w| (w.wr_id, w.status)), Some((1000, WC_SUCCESS)));
+    assert_eq!(counts, [(WC_SUCCESS, 600)]);
+    assert_eq!(b.cmd("seq 64 600"), ["seq ok"]);
+    assert_eq!(a.drain(600).1, [(WC_SUCCESS, 600)]);
+    // Exactly once: nothing more arrives.
+    assert!(b.poll(1, Duration::from_millis(200)).is_empty());
+}
+
+/// `rnr_retry` below 7 bounds how long a SEND waits for a receive WR.
+#[test]
+fn a_receiver_that_never_posts_ends_in_rnr_retry_exc_err() {
+    let (mut a, _b) = connected_pair(0x66, 0x55, 1);
+    a.cmd("send 1 64 2");
+    let wcs = a.poll(2, Duration::from_secs(10));
+    assert_eq!(
+        wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(1, WC_RNR_RETRY_EXC_ERR), (2, WC_WR_FLUSH_ERR)]
+    );
+}
+
+/// QP numbers are random: neither the process id nor the previous number predicts them.
+#[test]
+fn qp_numbers_are_not_derived_from_the_pid_nor_consecutive() {
+    let mut numbers = Vec::new();
+    for name in ["one", "two"] {
+        let mut p = QpPeer::local(name, 0);
+        let answer = p.cmd("qpns 15");
+        let mut qpns: Vec<u32> = vec![p.qpn];
+        qpns.extend(
+            answer[0]
+                .strip_prefix("qpns ")
+                .unwrap()
+                .split_whitespace()
+                .map(|v| v.parse::<u32>().unwrap()),
+        );
+        // Before, a process's QP numbers were (pid & 0xffff) << 8 and on.
+        let old_base = (p.pid as u32 & 0xffff) << 8;
+        assert!(
+            qpns.iter().all(|&n| n.wrapping_sub(old_base) >= 512),
+            "{qpns:x?} (pid {})",
+            p.pid
+        );
+        let consecutive = qpns.windows(2).filter(|w| w[1] == w[0] + 1).count();
+        assert!(consecutive <= 1, "{qpns:x?}");
+        assert!(qpns.iter().all(|&n| n > 1 && n < 1 << 24), "{qpns:x?}");
+        numbers.extend(qpns);
+    }
+    let mut unique = numbers.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), numbers.len(), "{numbers:x?}");
+}
