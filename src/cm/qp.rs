@@ -12,8 +12,12 @@ use crate::fake_verbs::mr::{ACCESS_REMOTE_ATOMIC, ACCESS_REMOTE_READ, ACCESS_REM
 use crate::fake_verbs::qp::{ModifyRequest, QpAttributes};
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
 
-/// The local ACK timeout of a connected QP (4.096 µs · 2^14, about 67 ms).
-const ACK_TIMEOUT: u8 = 14;
+/// The local ACK timeout of a connected QP unless the application sets one
+/// (`RDMA_OPTION_ID_ACK_TIMEOUT`): 4.096 µs · 2^18, about 1.07 s, what the kernel's CM computes
+/// for a RoCE path (packet lifetime 16) to a HCA with an ACK delay of 16, as ConnectX reports.
+/// ugdr's acknowledgements come from the peer's CPU, so a shorter one would fail connections
+/// whose peer is merely descheduled for a few hundred milliseconds on a loaded host.
+pub(super) const ACK_TIMEOUT: u8 = 18;
 /// The RNR NAK timer a connected QP's responder asks for (IB code 12: 0.64 ms).
 const MIN_RNR_TIMER: u8 = 12;
 /// The states a connected QP passes through to carry traffic.
@@ -39,6 +43,8 @@ pub struct QpParams {
     pub initiator_depth: u8,
     pub retry_count: u8,
     pub rnr_retry_count: u8,
+    /// The local ACK timeout code the QP gets in RTS.
+    pub ack_timeout: u8,
 }
 
 /// How a QP addresses `peer`: by GID (the engine finds it on this or another host).
@@ -119,7 +125,7 @@ impl QpParams {
                 if self.peer.is_none() {
                     return Err(CmError::Invalid("no peer to connect the QP to"));
                 }
-                a.timeout = ACK_TIMEOUT;
+                a.timeout = self.ack_timeout;
                 a.retry_cnt = self.retry_count.min(7);
                 a.rnr_retry = self.rnr_retry_count.min(7);
                 a.sq_psn = self.local_psn;
@@ -166,7 +172,18 @@ impl CmId {
             initiator_depth: s.initiator_depth,
             retry_count: s.retry_count,
             rnr_retry_count: s.rnr_retry_count,
+            ack_timeout: s.ack_timeout.unwrap_or(ACK_TIMEOUT),
         }
+    }
+
+    /// `RDMA_OPTION_ID_ACK_TIMEOUT`: the local ACK timeout code (4.096 µs · 2^code) the id's
+    /// QP gets when it moves to RTS from now on; connected (RC) ids only, as the kernel's.
+    pub fn set_ack_timeout(&self, code: u8) -> Result<(), CmError> {
+        if self.qp_type == QpType::Ud.to_raw() {
+            return Err(CmError::Invalid("ACK timeout of a datagram id"));
+        }
+        self.state().ack_timeout = Some(code.min(31));
+        Ok(())
     }
 
     /// `rdma_init_qp_attr`: the modify that moves this id's QP to `state` (None: a value
