@@ -5,8 +5,8 @@
 //! * A window's rkey is `index << 8 | key`: the index (24 random bits, never the upper bits of
 //!   a region's rkey) names the window for its life, the low 8 bits are the consumer's key,
 //!   chosen at each bind (`ibv_inc_rkey`). A window starts unbound.
-//! * Binding (a BIND_MW work request; `ibv_bind_mw` posts one for type 1) needs: the rkey the
-//!   application names being the window's current one; a region of the window's PD that is
+//! * Binding (a BIND_MW work request; `ibv_bind_mw` posts one for type 1) needs: for type 1,
+//!   `mw->rkey` being the window's current key (`ibv_bind_mw` keeps it so); a region of the window's PD that is
 //!   not zero-based and has `IBV_ACCESS_MW_BIND` (C10-73); local write on the region when the
 //!   window grants remote write or atomics (C10-74); the range inside the region (C10-75); no
 //!   access but remote read/write/atomic (zero-based windows are not offered). A type 1 window
@@ -198,7 +198,9 @@ impl MemoryWindow {
         req: &BindRequest,
     ) -> Result<(), VerbsError> {
         let mut b = self.binding();
-        if req.window_rkey != b.rkey {
+        // Type 1: `ibv_bind_mw` keeps `mw->rkey` current, so a stale one is an error. A type 2
+        // bind names its window by pointer (`mw->rkey` is not updated by a BIND_MW WR).
+        if self.kind == WindowType::One && req.window_rkey != b.rkey {
             return Err(VerbsError::Invalid("the rkey is not the window's current one"));
         }
         if req.access & !(WINDOW_ACCESS | ACCESS_ZERO_BASED) != 0 {
