@@ -45,7 +45,9 @@ fn section(name: &str, direct: bool) {
     let both = format!("initiator:\n{}\ntarget:\n{}", text(&i), text(&t));
     assert!(i.status.success() && t.status.success(), "{both}");
     let said = |out: &std::process::Output, line: &str| {
-        String::from_utf8_lossy(&out.stdout).lines().any(|l| l == line)
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .any(|l| l == line)
     };
     assert!(said(&i, &format!("memory_windows {name}: ok")), "{both}");
     assert!(said(&t, "memory_windows target: ok"), "{both}");

@@ -275,7 +275,8 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
         | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0
         | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW.0
         | ibv_device_cap_flags::IBV_DEVICE_MEM_MGT_EXTENSIONS.0
-        | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0) as c_uint;
+        | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0)
+        as c_uint;
     out.max_mw = crate::fake_verbs::mw::MAX_WINDOWS;
     out.max_sge = a.max_sge;
     out.max_sge_rd = a.max_sge_rd;

@@ -6,8 +6,8 @@
 use super::boundary::set_errno;
 use super::{
     ibv_cq as cq_exports, ibv_device as device_exports, ibv_dm as dm_exports,
-    ibv_domain as domain_exports, ibv_mw as mw_exports, ibv_pd_mr as mr_exports, ibv_qp as qp_exports,
-    ibv_srq as srq_exports,
+    ibv_domain as domain_exports, ibv_mw as mw_exports, ibv_pd_mr as mr_exports,
+    ibv_qp as qp_exports, ibv_srq as srq_exports,
 };
 use crate::sys::*;
 use std::os::raw::c_int;

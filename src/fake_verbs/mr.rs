@@ -440,7 +440,9 @@ impl MemoryRegion {
     pub fn deregister(&self) -> Result<(), VerbsError> {
         let current = self.current();
         if self.windows.load(Ordering::Acquire) != 0 {
-            return Err(VerbsError::Invalid("memory windows are bound to the region"));
+            return Err(VerbsError::Invalid(
+                "memory windows are bound to the region",
+            ));
         }
         let reg = Arc::clone(&current);
         drop(current);
@@ -520,7 +522,11 @@ pub fn remote_span(
     if !Arc::ptr_eq(&mr.pd, pd) || mr.access & access != access {
         return None;
     }
-    mr.span_at(addr, len, access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0)
+    mr.span_at(
+        addr,
+        len,
+        access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0,
+    )
 }
 
 /// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, local write for receive

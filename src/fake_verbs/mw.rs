@@ -201,7 +201,9 @@ impl MemoryWindow {
         // Type 1: `ibv_bind_mw` keeps `mw->rkey` current, so a stale one is an error. A type 2
         // bind names its window by pointer (`mw->rkey` is not updated by a BIND_MW WR).
         if self.kind == WindowType::One && req.window_rkey != b.rkey {
-            return Err(VerbsError::Invalid("the rkey is not the window's current one"));
+            return Err(VerbsError::Invalid(
+                "the rkey is not the window's current one",
+            ));
         }
         if req.access & !(WINDOW_ACCESS | ACCESS_ZERO_BASED) != 0 {
             return Err(VerbsError::Invalid("access flags a window cannot grant"));
@@ -214,10 +216,14 @@ impl MemoryWindow {
                 return Err(VerbsError::Invalid("type 2 window already bound"));
             }
             if !Arc::ptr_eq(qp_pd, &self.pd) {
-                return Err(VerbsError::Invalid("type 2 window of another PD than the QP's"));
+                return Err(VerbsError::Invalid(
+                    "type 2 window of another PD than the QP's",
+                ));
             }
             if req.region.is_none() || req.length == 0 {
-                return Err(VerbsError::Invalid("type 2 bind without a region or length"));
+                return Err(VerbsError::Invalid(
+                    "type 2 bind without a region or length",
+                ));
             }
         }
         let new_rkey = (b.rkey & !0xff) | (req.new_rkey & 0xff);
@@ -231,7 +237,9 @@ impl MemoryWindow {
         };
         let reg = region.registration();
         if !Arc::ptr_eq(&reg.pd, &self.pd) {
-            return Err(VerbsError::Invalid("region of another PD than the window's"));
+            return Err(VerbsError::Invalid(
+                "region of another PD than the window's",
+            ));
         }
         if reg.access & ACCESS_ZERO_BASED != 0 {
             return Err(VerbsError::Invalid("zero-based region"));
@@ -242,7 +250,9 @@ impl MemoryWindow {
         if req.access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0
             && reg.access & ACCESS_LOCAL_WRITE == 0
         {
-            return Err(VerbsError::Invalid("writable window on a region without local write"));
+            return Err(VerbsError::Invalid(
+                "writable window on a region without local write",
+            ));
         }
         let inside = req.addr >= reg.iova
             && req
@@ -391,23 +401,40 @@ mod tests {
         let (pd, mr, buf) = setup(ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE);
         let a = buf.as_ptr() as u64;
         let w = MemoryWindow::allocate(&pd, WindowType::One).unwrap();
-        assert!(w.bind(&pd, 1, &bind_req(&w, &mr, a, 8)).is_err(), "no MW_BIND");
+        assert!(
+            w.bind(&pd, 1, &bind_req(&w, &mr, a, 8)).is_err(),
+            "no MW_BIND"
+        );
         let (pd2, mr2, buf2) = setup(ACCESS_MW_BIND);
         let a2 = buf2.as_ptr() as u64;
         let w2 = MemoryWindow::allocate(&pd2, WindowType::One).unwrap();
-        assert!(w2.bind(&pd2, 1, &bind_req(&w2, &mr2, a2, 8)).is_err(), "write without local write");
+        assert!(
+            w2.bind(&pd2, 1, &bind_req(&w2, &mr2, a2, 8)).is_err(),
+            "write without local write"
+        );
         let mut ro = bind_req(&w2, &mr2, a2, 8);
         ro.access = ACCESS_REMOTE_READ;
         w2.bind(&pd2, 1, &ro).unwrap();
-        assert!(w.bind(&pd, 1, &bind_req(&w, &mr2, a2, 8)).is_err(), "region of another PD");
+        assert!(
+            w.bind(&pd, 1, &bind_req(&w, &mr2, a2, 8)).is_err(),
+            "region of another PD"
+        );
         let w3 = MemoryWindow::allocate(&pd2, WindowType::Two).unwrap();
-        assert!(w3.bind(&pd, 1, &bind_req(&w3, &mr2, a2, 8)).is_err(), "QP of another PD");
+        assert!(
+            w3.bind(&pd, 1, &bind_req(&w3, &mr2, a2, 8)).is_err(),
+            "QP of another PD"
+        );
         let mut outside = bind_req(&w2, &mr2, a2 + 8000, 193);
         outside.access = ACCESS_REMOTE_READ;
         assert!(w2.bind(&pd2, 1, &outside).is_err());
         assert!(invalidate(w2.rkey()).is_err(), "type 1");
         // A type 1 unbind (length 0) changes the key and frees the region.
-        let unbind = BindRequest { region: None, length: 0, addr: 0, ..bind_req(&w2, &mr2, a2, 0) };
+        let unbind = BindRequest {
+            region: None,
+            length: 0,
+            addr: 0,
+            ..bind_req(&w2, &mr2, a2, 0)
+        };
         w2.bind(&pd2, 1, &unbind).unwrap();
         mr2.deregister().unwrap();
         for w in [w, w2, w3] {

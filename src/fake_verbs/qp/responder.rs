@@ -11,9 +11,9 @@
 //! lands is [`super::receive`].
 
 use super::super::context::EVENT_QP_ACCESS_ERR;
-use super::super::{mr, mw};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::RecvRequest;
+use super::super::{mr, mw};
 use super::QueuePair;
 use super::completer::from_peer;
 use super::queues::{
