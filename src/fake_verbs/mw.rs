@@ -74,6 +74,17 @@ struct Binding {
     bound: Option<Bound>,
 }
 
+impl Binding {
+    /// Unbinds: the region it was bound to is free of it. Whether it was bound.
+    fn unbind(&mut self) -> bool {
+        let Some(old) = self.bound.take() else {
+            return false;
+        };
+        old.region.release_window();
+        true
+    }
+}
+
 struct Bound {
     region: Arc<MemoryRegion>,
     registration: Arc<Registration>,
@@ -181,9 +192,7 @@ impl MemoryWindow {
     /// `ibv_dealloc_mw`: unbinds it (its region is free again) and retires its keys.
     pub fn deallocate(&self) {
         let mut b = self.binding();
-        if let Some(old) = b.bound.take() {
-            old.region.release_window();
-        }
+        b.unbind();
         drop(b);
         WINDOWS.remove(&self.index);
         self.pd.release_child();
@@ -229,9 +238,7 @@ impl MemoryWindow {
         let new_rkey = (b.rkey & !0xff) | (req.new_rkey & 0xff);
         let Some(region) = req.region.as_ref().filter(|_| req.length != 0) else {
             // Type 1, length 0: unbound, under a new key.
-            if let Some(old) = b.bound.take() {
-                old.region.release_window();
-            }
+            b.unbind();
             b.rkey = new_rkey;
             return Ok(());
         };
@@ -263,9 +270,7 @@ impl MemoryWindow {
             return Err(VerbsError::Invalid("window outside its region"));
         }
         let registration = region.adopt_window()?;
-        if let Some(old) = b.bound.take() {
-            old.region.release_window();
-        }
+        b.unbind();
         b.bound = Some(Bound {
             region: Arc::clone(region),
             registration,
@@ -295,11 +300,9 @@ pub fn invalidate(rkey: u32) -> Result<(), VerbsError> {
     if window.kind == WindowType::One {
         return Err(VerbsError::Invalid("type 1 windows are not invalidated"));
     }
-    let old = b
-        .bound
-        .take()
-        .ok_or(VerbsError::Invalid("the window is not bound"))?;
-    old.region.release_window();
+    if !b.unbind() {
+        return Err(VerbsError::Invalid("the window is not bound"));
+    }
     Ok(())
 }
 

@@ -131,6 +131,16 @@ static void send_completion(int posted, uint64_t wr_id, uint32_t key, uint64_t *
     r[5] = wc.byte_len; r[6] = wc.wc_flags;
 }
 
+/* ibv_wr_start on `q` with the next WR's id, signaled. */
+static struct ibv_qp_ex *wr_begin(struct ibv_qp *q, uint64_t wr_id)
+{
+    struct ibv_qp_ex *x = ibv_qp_to_qp_ex(q);
+    ibv_wr_start(x);
+    x->wr_id = wr_id;
+    x->wr_flags = IBV_SEND_SIGNALED;
+    return x;
+}
+
 static int post_one(struct ibv_send_wr *wr)
 {
     struct ibv_send_wr *bad = NULL;
@@ -166,10 +176,7 @@ static void t_bind(const uint64_t *m, uint64_t *r)
         wr.bind_mw.bind_info = info;
         rc = post_one(&wr);
     } else {
-        struct ibv_qp_ex *x = ibv_qp_to_qp_ex(qp);
-        ibv_wr_start(x);
-        x->wr_id = wr_id;
-        x->wr_flags = IBV_SEND_SIGNALED;
+        struct ibv_qp_ex *x = wr_begin(qp, wr_id);
         ibv_wr_bind_mw(x, mw, key, &info);
         rc = ibv_wr_complete(x);
     }
@@ -188,10 +195,7 @@ static void t_local_inv(const uint64_t *m, uint64_t *r)
         wr.invalidate_rkey = key;
         rc = post_one(&wr);
     } else {
-        struct ibv_qp_ex *x = ibv_qp_to_qp_ex(qp);
-        ibv_wr_start(x);
-        x->wr_id = wr_id;
-        x->wr_flags = IBV_SEND_SIGNALED;
+        struct ibv_qp_ex *x = wr_begin(qp, wr_id);
         ibv_wr_local_inv(x, key);
         rc = ibv_wr_complete(x);
     }
@@ -473,10 +477,7 @@ static void send_inv(uint32_t key, int via, enum ibv_wc_status want, const char 
         wr.invalidate_rkey = key;
         CHECK(ibv_post_send(qp, &wr, &bad) == 0, "%s: post_send", what);
     } else {
-        struct ibv_qp_ex *x = ibv_qp_to_qp_ex(qp);
-        ibv_wr_start(x);
-        x->wr_id = id;
-        x->wr_flags = IBV_SEND_SIGNALED;
+        struct ibv_qp_ex *x = wr_begin(qp, id);
         ibv_wr_send_inv(x, key);
         ibv_wr_set_sge(x, lmr->lkey, (uintptr_t)lbuf, 64);
         CHECK(ibv_wr_complete(x) == 0, "%s: wr_complete", what);
