@@ -28,6 +28,7 @@ static struct ibv_context *ctx;
 static struct ibv_pd *pd;
 static uint16_t lid;
 static long page;
+static struct ibv_cq_ex *cqx; /* every CQ is extended: receives are also read with ibv_wc_read_* */
 static struct ibv_cq *cq;
 static struct ibv_qp *qp;
 
@@ -71,8 +72,11 @@ static void fresh_qp(void)
 {
     if (qp)
         CHECK(ibv_destroy_qp(qp) == 0 && ibv_destroy_cq(cq) == 0, "destroy");
-    cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
-    CHECK(cq, "create_cq");
+    struct ibv_cq_init_attr_ex ca = { .cqe = 64, .wc_flags = IBV_WC_EX_WITH_BYTE_LEN | IBV_WC_EX_WITH_IMM |
+                                      IBV_WC_EX_WITH_QP_NUM | IBV_WC_EX_WITH_SRC_QP };
+    cqx = ibv_create_cq_ex(ctx, &ca);
+    CHECK(cqx, "create_cq_ex");
+    cq = ibv_cq_ex_to_cq(cqx);
     qp = new_qp(pd, IBV_QPT_RC);
 }
 
@@ -306,6 +310,20 @@ static int target(int port)
             break;
         }
         case C_POLL_RECV: {
+            if (m[1]) { /* the extended API: ibv_wc_read_invalidated_rkey reads the union */
+                struct ibv_poll_cq_attr pa = { .comp_mask = 0 };
+                int rc = ENOENT;
+                for (int i = 0; i < 10000 && rc == ENOENT; i++)
+                    if ((rc = ibv_start_poll(cqx, &pa)) == ENOENT)
+                        usleep(1000);
+                CHECK(rc == 0, "target: ibv_start_poll %d", rc);
+                r[0] = cqx->status; r[1] = ibv_wc_read_opcode(cqx); r[2] = cqx->wr_id;
+                r[3] = ibv_wc_read_byte_len(cqx); r[4] = ibv_wc_read_wc_flags(cqx);
+                r[5] = ibv_wc_read_invalidated_rkey(cqx); r[6] = ibv_wc_read_qp_num(cqx) == qp->qp_num;
+                r[7] = ibv_wc_read_src_qp(cqx);
+                ibv_end_poll(cqx);
+                break;
+            }
             struct ibv_wc wc;
             CHECK(poll_one(cq, &wc) == 1, "target: no receive completion");
             r[0] = wc.status; r[1] = wc.opcode; r[2] = wc.wr_id; r[3] = wc.byte_len;
@@ -486,7 +504,7 @@ static void send_inv(uint32_t key, int via, enum ibv_wc_status want, const char 
     CHECK(poll_one(cq, &wc) == 1, "%s: no completion", what);
     CHECK(wc.wr_id == id && wc.status == want && wc.qp_num == qp->qp_num, "%s: status %s", what,
           ibv_wc_status_str(wc.status));
-    T(C_POLL_RECV);
+    T(C_POLL_RECV, via == VIA_WR); /* ibv_poll_cq, or ibv_start_poll and ibv_wc_read_* */
     uint32_t my_qpn = qp->qp_num;
     if (want != IBV_WC_SUCCESS) {
         CHECK(r[0] == IBV_WC_REM_INV_REQ_ERR && r[2] == rid && r[3] == 0 && r[4] == 0 && r[6],
