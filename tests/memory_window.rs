@@ -1,7 +1,7 @@
 //! Memory windows between two processes on one host (`tests/c/memory_windows.c`, built
 //! against the real `<infiniband/verbs.h>`, whose `ibv_alloc_mw`, `ibv_bind_mw`,
 //! `ibv_dealloc_mw` and `ibv_wr_*` are inline and reach ugdr through its function tables):
-//! type 1 and type 2 binds, RDMA WRITE/READ/atomics through a window inside and outside its
+//! type 1 and type 2 binds (on RC and UC), RDMA WRITE/READ/atomics through a window inside and outside its
 //! range and without its access, LOCAL_INV and SEND_WITH_INV (`IBV_WC_WITH_INV`,
 //! `invalidated_rkey`) and accesses after them, remote invalidation of a type 1 window or of
 //! a region's key, the bind errors (`IBV_WC_MW_BIND_ERR`), `ibv_dereg_mr`/`ibv_rereg_mr` of a
@@ -66,6 +66,11 @@ fn type_2_windows_are_invalidated_locally_and_by_send_with_invalidate() {
 #[test]
 fn bind_errors_and_invalid_invalidations_complete_with_the_errors_rxe_gives() {
     section("errors", true);
+}
+
+#[test]
+fn uc_binds_and_send_with_invalidate_and_drops_what_a_dead_key_refuses() {
+    section("uc", true);
 }
 
 #[test]

@@ -6,7 +6,7 @@
  *   memory_windows initiator PORT SECTION  drives it: binds, invalidations, and RDMA WRITE,
  *                                          READ, atomics and SEND_WITH_INV through the keys
  *
- * Sections: type1, type2, errors. Every completion's fields and the bytes moved are checked;
+ * Sections: type1, type2, errors, uc. Every completion's fields and the bytes moved are checked;
  * an access error moves both QPs to ERR, after which a fresh pair is connected. Both exit 0
  * and print "memory_windows SECTION: ok" / "memory_windows target: ok" only if all held. */
 #include "verbs_test.h"
@@ -54,6 +54,8 @@ static uint64_t hash(const unsigned char *p, size_t n)
 static const uint64_t rc_ops = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_INV |
     IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_READ | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD |
     IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP | IBV_QP_EX_WITH_LOCAL_INV | IBV_QP_EX_WITH_BIND_MW;
+static const uint64_t uc_ops = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_INV | IBV_QP_EX_WITH_RDMA_WRITE |
+    IBV_QP_EX_WITH_LOCAL_INV | IBV_QP_EX_WITH_BIND_MW;
 static const int qp_access = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
 
 static struct ibv_qp *new_qp(struct ibv_pd *p, enum ibv_qp_type type)
@@ -61,14 +63,14 @@ static struct ibv_qp *new_qp(struct ibv_pd *p, enum ibv_qp_type type)
     struct ibv_qp_init_attr_ex a = { .send_cq = cq, .recv_cq = cq, .qp_type = type,
         .cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 },
         .comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS, .pd = p,
-        .send_ops_flags = type == IBV_QPT_UD ? IBV_QP_EX_WITH_SEND : rc_ops };
+        .send_ops_flags = type == IBV_QPT_UD ? IBV_QP_EX_WITH_SEND : type == IBV_QPT_UC ? uc_ops : rc_ops };
     struct ibv_qp *q = ibv_create_qp_ex(ctx, &a);
     CHECK(q, "create_qp_ex");
     return q;
 }
 
-/* A fresh CQ and RC QP (the old ones destroyed). */
-static void fresh_qp(void)
+/* A fresh CQ and QP of `type` (the old ones destroyed). */
+static void fresh_qp(enum ibv_qp_type type)
 {
     if (qp)
         CHECK(ibv_destroy_qp(qp) == 0 && ibv_destroy_cq(cq) == 0, "destroy");
@@ -77,7 +79,26 @@ static void fresh_qp(void)
     cqx = ibv_create_cq_ex(ctx, &ca);
     CHECK(cqx, "create_cq_ex");
     cq = ibv_cq_ex_to_cq(cqx);
-    qp = new_qp(pd, IBV_QPT_RC);
+    qp = new_qp(pd, type);
+}
+
+/* RESET → RTS towards (dlid, dqpn): RC as verbs_test.h's to_rts, UC with UC's attributes. */
+static void connect_qp(enum ibv_qp_type type, uint16_t dlid, uint32_t dqpn)
+{
+    if (type == IBV_QPT_RC) {
+        to_rts(qp, dlid, dqpn, qp_access);
+        return;
+    }
+    struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = IBV_ACCESS_REMOTE_WRITE };
+    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "UC INIT");
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTR; a.path_mtu = IBV_MTU_1024; a.dest_qp_num = dqpn;
+    a.ah_attr.dlid = dlid; a.ah_attr.port_num = 1;
+    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN) == 0,
+          "UC RTR");
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTS;
+    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN) == 0, "UC RTS");
 }
 
 static enum ibv_qp_state state_of(struct ibv_qp *q)
@@ -295,8 +316,8 @@ static int target(int port)
         memset(r, 0, sizeof r);
         switch (m[0]) {
         case C_CONNECT:
-            fresh_qp();
-            to_rts(qp, (uint16_t)m[1], (uint32_t)m[2], qp_access);
+            fresh_qp((enum ibv_qp_type)m[3]);
+            connect_qp((enum ibv_qp_type)m[3], (uint16_t)m[1], (uint32_t)m[2]);
             r[0] = lid; r[1] = qp->qp_num; r[2] = (uintptr_t)tbuf; r[3] = mrs[0]->rkey;
             r[4] = mrs[1]->rkey;
             break;
@@ -382,11 +403,13 @@ static uint64_t next_id = 100;
 
 #define T(...) do { uint64_t m_[8] = { __VA_ARGS__ }; put(m_); get(r); } while (0)
 
+static enum ibv_qp_type conn_type = IBV_QPT_RC;
+
 static void connect_pair(void)
 {
-    fresh_qp();
-    T(C_CONNECT, lid, qp->qp_num);
-    to_rts(qp, (uint16_t)r[0], (uint32_t)r[1], qp_access);
+    fresh_qp(conn_type);
+    T(C_CONNECT, lid, qp->qp_num, conn_type);
+    connect_qp(conn_type, (uint16_t)r[0], (uint32_t)r[1]);
     tbase = r[2]; mr_rkey = (uint32_t)r[3]; nobind_rkey = (uint32_t)r[4];
 }
 
@@ -661,6 +684,29 @@ static void errors(void)
     T(C_LOCAL_ERRORS);
 }
 
+/* UC: a type 2 window binds on a UC QP, SEND_WITH_INV invalidates it, and a WRITE through the
+ * dead key is dropped at the target while the initiator completes it (UC acknowledges
+ * nothing). Each SEND_WITH_INV, in order behind the WRITEs, shows they arrived. */
+static void uc(void)
+{
+    conn_type = IBV_QPT_UC;
+    connect_pair();
+    T(C_FILL, 0);
+    uint32_t k = bind_window(2, 0, 0, 4096, RW, VIA_POST, OK, "type 2 bind on UC");
+    pattern(lbuf, 64, 9);
+    access_remote(W, tbase + 64, k, 64, OK, "UC write through the window");
+    send_inv(k, VIA_POST, OK, "UC SEND_WITH_INV");
+    unsigned char landed[64];
+    pattern(landed, 64, 9);
+    expect_hash(64, 64, landed, "UC write");
+    pattern(lbuf, 64, 10);
+    access_remote(W, tbase + 64, k, 64, OK, "UC write through the invalidated window");
+    uint32_t k2 = bind_window(2, 0, 0, 4096, RW, VIA_WR, OK, "type 2 bind on UC again");
+    send_inv(k2, VIA_WR, OK, "UC ibv_wr_send_inv");
+    expect_hash(64, 64, landed, "UC write through the invalidated window: dropped");
+    conn_type = IBV_QPT_RC;
+}
+
 static int initiator(int port, const char *section)
 {
     struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
@@ -683,6 +729,8 @@ static int initiator(int port, const char *section)
         type2();
     else if (!strcmp(section, "errors"))
         errors();
+    else if (!strcmp(section, "uc"))
+        uc();
     else
         CHECK(0, "unknown section %s", section);
     T(C_QUIT);
