@@ -269,9 +269,15 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
     out.hw_ver = a.hw_ver;
     out.max_qp = a.max_qp;
     out.max_qp_wr = a.max_qp_wr;
+    // Memory windows (type 1 and 2B), LOCAL_INV and SEND_WITH_INV: the memory management
+    // extensions (no fast-registration MRs: rdma-core's user space has no verb for them).
     out.device_cap_flags = (ibv_device_cap_flags::IBV_DEVICE_RC_RNR_NAK_GEN.0
-        | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0)
+        | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0
+        | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW.0
+        | ibv_device_cap_flags::IBV_DEVICE_MEM_MGT_EXTENSIONS.0
+        | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0)
         as c_uint;
+    out.max_mw = crate::fake_verbs::mw::MAX_WINDOWS;
     out.max_sge = a.max_sge;
     out.max_sge_rd = a.max_sge_rd;
     out.max_cq = a.max_cq;

@@ -29,7 +29,10 @@ const UD_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0
     | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0) as u64;
 const UC_SEND_OPS: u64 = UD_SEND_OPS
     | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
-        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0) as u64;
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_LOCAL_INV.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_BIND_MW.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_INV.0) as u64;
 const RC_SEND_OPS: u64 = UC_SEND_OPS
     | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0
         | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
@@ -656,6 +659,9 @@ unsafe fn send_request(
                 w.wr.atomic.compare_add,
                 w.wr.atomic.swap,
             ),
+            SendOpcode::LocalInv | SendOpcode::SendWithInv => {
+                (0, 0, w.__bindgen_anon_1.invalidate_rkey, 0, 0)
+            }
             _ => (
                 w.__bindgen_anon_1.imm_data,
                 w.wr.rdma.remote_addr,
@@ -673,6 +679,14 @@ unsafe fn send_request(
     } else {
         None
     };
+    let bind = if opcode == SendOpcode::BindMw {
+        // SAFETY: a BIND_MW WR carries the `bind_mw` member of the union.
+        let b = unsafe { &w.__bindgen_anon_2.bind_mw };
+        // SAFETY: the application's window and region (or NULL).
+        Some(unsafe { super::ibv_mw::posted_bind(b.mw, b.rkey, &b.bind_info) }?)
+    } else {
+        None
+    };
     Ok(SendRequest {
         wr_id: w.wr_id,
         opcode,
@@ -687,6 +701,7 @@ unsafe fn send_request(
         compare_add,
         swap,
         ud,
+        bind,
     })
 }
 
@@ -777,7 +792,7 @@ pub(crate) unsafe extern "C" fn post_recv(
 /// # Safety
 /// Installed only on ugdr's QPs; the `ibv_wr_*` API is used by one thread per QP between
 /// `ibv_wr_start` and `ibv_wr_complete`/`ibv_wr_abort`.
-unsafe fn batch<'a>(qp: *mut ibv_qp_ex) -> (&'a QpShell, &'a mut WrBatch) {
+pub(crate) unsafe fn batch<'a>(qp: *mut ibv_qp_ex) -> (&'a QpShell, &'a mut WrBatch) {
     // SAFETY: forwarded contract.
     let shell = unsafe { QpShell::from_raw(qp).expect("wr op called with NULL") };
     // SAFETY: single builder thread per QP (the API's rule).
@@ -785,23 +800,14 @@ unsafe fn batch<'a>(qp: *mut ibv_qp_ex) -> (&'a QpShell, &'a mut WrBatch) {
     (shell, b)
 }
 
-fn new_request(qp: *mut ibv_qp_ex, opcode: SendOpcode) -> SendRequest {
+pub(crate) fn new_request(qp: *mut ibv_qp_ex, opcode: SendOpcode) -> SendRequest {
     // SAFETY: the application writes wr_id/wr_flags before each builder call; read them raw.
     let (wr_id, flags) = unsafe { ((*qp).wr_id, (*qp).wr_flags) };
     SendRequest {
-        wr_id,
-        opcode,
-        sges: SgeList::new(),
-        inline_data: None,
-        imm_data: 0,
         signaled: flags & SEND_SIGNALED != 0,
         solicited: flags & SEND_SOLICITED != 0,
         fence: flags & SEND_FENCE != 0,
-        remote_addr: 0,
-        rkey: 0,
-        compare_add: 0,
-        swap: 0,
-        ud: None,
+        ..SendRequest::new(wr_id, opcode)
     }
 }
 
@@ -1047,9 +1053,6 @@ macro_rules! refused_builder {
     };
 }
 
-refused_builder!(wr_bind_mw, *mut ibv_mw, u32, *const ibv_mw_bind_info);
-refused_builder!(wr_local_inv, u32);
-refused_builder!(wr_send_inv, u32);
 refused_builder!(wr_send_tso, *mut c_void, u16, u16);
 
 unsafe extern "C" fn wr_set_ud_addr(
@@ -1089,12 +1092,12 @@ pub(crate) fn install_wr_ops(qp: &mut ibv_qp_ex) {
     qp.wr_set_inline_data_list = Some(wr_set_inline_data_list);
     qp.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
     qp.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
-    qp.wr_bind_mw = Some(wr_bind_mw);
-    qp.wr_local_inv = Some(wr_local_inv);
+    qp.wr_bind_mw = Some(super::ibv_mw::wr_bind_mw);
+    qp.wr_local_inv = Some(super::ibv_mw::wr_local_inv);
     qp.wr_rdma_read = Some(wr_rdma_read);
     qp.wr_rdma_write = Some(wr_rdma_write);
     qp.wr_rdma_write_imm = Some(wr_rdma_write_imm);
-    qp.wr_send_inv = Some(wr_send_inv);
+    qp.wr_send_inv = Some(super::ibv_mw::wr_send_inv);
     qp.wr_send_tso = Some(wr_send_tso);
     qp.wr_set_ud_addr = Some(wr_set_ud_addr);
     qp.wr_set_xrc_srqn = Some(wr_set_xrc_srqn);

@@ -9,6 +9,7 @@ use crate::fake_verbs::context::DeviceContext;
 use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
 use crate::fake_verbs::dm::DeviceMemory;
 use crate::fake_verbs::mr::MemoryRegion;
+use crate::fake_verbs::mw::MemoryWindow;
 use crate::fake_verbs::pd::{ParentDomain, ParentUse, ProtectionDomain, ThreadDomain};
 use crate::fake_verbs::qp::QueuePair;
 use crate::fake_verbs::srq::SharedReceiveQueue;
@@ -154,6 +155,10 @@ shell!(
 shell!(
     /// `ibv_mr`.
     MrShell, ibv_mr, MemoryRegion
+);
+shell!(
+    /// `ibv_mw`.
+    MwShell, ibv_mw, MemoryWindow
 );
 shell!(
     /// `ibv_srq`.

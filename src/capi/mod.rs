@@ -10,6 +10,7 @@ mod ibv_device;
 mod ibv_dm;
 mod ibv_domain;
 mod ibv_misc;
+mod ibv_mw;
 mod ibv_not_yet;
 mod ibv_pd_mr;
 mod ibv_qp;

@@ -6,8 +6,8 @@
 use super::boundary::set_errno;
 use super::{
     ibv_cq as cq_exports, ibv_device as device_exports, ibv_dm as dm_exports,
-    ibv_domain as domain_exports, ibv_pd_mr as mr_exports, ibv_qp as qp_exports,
-    ibv_srq as srq_exports,
+    ibv_domain as domain_exports, ibv_mw as mw_exports, ibv_pd_mr as mr_exports,
+    ibv_qp as qp_exports, ibv_srq as srq_exports,
 };
 use crate::sys::*;
 use std::os::raw::c_int;
@@ -44,9 +44,9 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     ops.post_send = Some(qp_exports::post_send);
     ops.post_recv = Some(qp_exports::post_recv);
     ops.post_srq_recv = Some(srq_exports::post_srq_recv);
-    ops.alloc_mw = unsupported!(fn(*mut ibv_pd, ibv_mw_type) -> *mut ibv_mw);
-    ops.bind_mw = unsupported!(fn(*mut ibv_qp, *mut ibv_mw, *mut ibv_mw_bind) -> c_int);
-    ops.dealloc_mw = unsupported!(fn(*mut ibv_mw) -> c_int);
+    ops.alloc_mw = Some(mw_exports::alloc_mw_op);
+    ops.bind_mw = Some(mw_exports::bind_mw_op);
+    ops.dealloc_mw = Some(mw_exports::dealloc_mw_op);
 
     vctx.query_port = Some(device_exports::query_port_op);
     vctx.query_device_ex = Some(device_exports::query_device_ex_op);

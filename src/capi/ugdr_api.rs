@@ -458,8 +458,11 @@ pub unsafe extern "C" fn ugdr_dereg_mr(mr: *mut ugdr_mr) -> c_int {
         // SAFETY: returned by ugdr_reg_mr (an UgdrMr whose first field is the ugdr_mr); the
         // application gives it up here.
         let owned = unsafe { Box::from_raw(mr.cast::<UgdrMr>()) };
-        owned.inner.deregister();
-        0
+        // The ugdr_* API binds no memory windows, so nothing keeps its regions busy.
+        match owned.inner.deregister() {
+            Ok(()) => 0,
+            Err(e) => c_int::fail(e.errno()),
+        }
     })
 }
 
@@ -764,6 +767,7 @@ unsafe fn send_request(w: &ugdr_send_wr, caps: &QpCaps) -> Result<SendRequest, V
         compare_add: 0,
         swap: 0,
         ud: None,
+        bind: None,
     })
 }
 

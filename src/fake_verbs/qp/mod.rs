@@ -11,6 +11,7 @@
 //! | [`receive`] | `ibv_post_recv`, receive checks, data placement, in-order receive completions |
 //! | [`completer`] | ACK/NAK and READ/atomic responses → send completions in post order; flush |
 //! | [`timer`] | the transport timer: retransmission, RETRY_EXC_ERR |
+//! | [`local`] | memory-window work: BIND_MW and LOCAL_INV in post order, remote invalidation |
 //! | [`unreliable`] | the UC and UD receive side (nothing acknowledged, nothing waits) |
 //!
 //! This file holds the queue pair itself, its creation and destruction, the lock-then-send
@@ -18,6 +19,7 @@
 
 mod attributes;
 mod completer;
+mod local;
 mod queues;
 mod receive;
 mod requester;

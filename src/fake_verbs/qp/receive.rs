@@ -8,7 +8,9 @@ use super::super::VerbsError;
 use super::super::context::EVENT_QP_REQ_ERR;
 use super::super::mr::local_spans;
 use super::super::qp_state::{QpState, QpType};
-use super::super::work::{RecvRequest, WC_WITH_IMM, WcOpcode, WcStatus, WorkCompletion};
+use super::super::work::{
+    RecvRequest, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkCompletion,
+};
 use super::QueuePair;
 use super::queues::{Body, Deferred, Landing, Queues};
 use crate::engine::wire::{self, Header, Nak, Op};
@@ -90,6 +92,9 @@ impl QueuePair {
         if h.flags & wire::FLAG_IMM != 0 {
             wc.wc_flags |= WC_WITH_IMM;
             wc.imm_data = h.imm_data;
+        } else if h.flags & wire::FLAG_INV != 0 {
+            wc.wc_flags |= WC_WITH_INV;
+            wc.imm_data = h.rkey; // the union's invalidated_rkey
         }
         wc
     }
@@ -148,7 +153,10 @@ impl QueuePair {
         let len = body.len();
         let spans: SmallVec<[AppSpan; 4]> = if h.op == Op::Send {
             let wr = wr.as_ref().expect("a SEND has a receive WR");
-            match self.check_receive(q, wr, &h, len, 0) {
+            match self
+                .check_receive(q, wr, &h, len, 0)
+                .filter(|_| self.invalidate_for_send(q, wr, &h))
+            {
                 Some(s) => s,
                 None => {
                     if let Body::Held(d) = body {

@@ -126,7 +126,9 @@ impl QueuePair {
             _ => {}
         }
         let op = match req.opcode {
-            SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
+            SendOpcode::Send | SendOpcode::SendWithImm | SendOpcode::SendWithInv => Op::Send,
+            // Memory-window work of this process: done now, in post order (`local.rs`).
+            SendOpcode::BindMw | SendOpcode::LocalInv => return self.post_local_operation(q, req),
             SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => Op::Write,
             SendOpcode::RdmaRead => Op::ReadRequest,
             SendOpcode::AtomicFetchAndAdd | SendOpcode::AtomicCmpAndSwp => {
@@ -247,6 +249,10 @@ impl QueuePair {
         }
         if op != Op::Send {
             header.remote_addr = req.remote_addr;
+            header.rkey = req.rkey;
+        }
+        if req.opcode == SendOpcode::SendWithInv {
+            header.flags |= wire::FLAG_INV;
             header.rkey = req.rkey;
         }
         header.length = length as u32;

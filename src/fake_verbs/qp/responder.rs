@@ -11,9 +11,9 @@
 //! lands is [`super::receive`].
 
 use super::super::context::EVENT_QP_ACCESS_ERR;
-use super::super::mr;
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::RecvRequest;
+use super::super::{mr, mw};
 use super::QueuePair;
 use super::completer::from_peer;
 use super::queues::{
@@ -283,7 +283,7 @@ impl QueuePair {
             );
             return None;
         }
-        match mr::remote_span(&self.pd, h.rkey, h.remote_addr, len, access) {
+        match mw::remote_span(&self.pd, self.qp_num, h.rkey, h.remote_addr, len, access) {
             Some(span) => Some(Some(span)),
             None => {
                 tracing::debug!(
