@@ -764,6 +764,7 @@ unsafe fn send_request(w: &ugdr_send_wr, caps: &QpCaps) -> Result<SendRequest, V
         compare_add: 0,
         swap: 0,
         ud: None,
+        xrc_srqn: 0,
     })
 }
 

@@ -73,6 +73,8 @@ pub struct SendRequest {
     pub swap: u64,
     /// UD: where the datagram goes (`wr.ud`, or `ibv_wr_set_ud_addr`).
     pub ud: Option<UdDestination>,
+    /// XRC_SEND: the SRQ at the target (`qp_type.xrc.remote_srqn`, `ibv_wr_set_xrc_srqn`).
+    pub xrc_srqn: u32,
 }
 
 /// The destination of a UD send: an address handle, the remote QP and its Q_Key.
@@ -198,6 +200,9 @@ pub struct WorkCompletion {
     pub completion_ts: u64,
     /// The wall clock then, in ns since the epoch (`..._TIMESTAMP_WALLCLOCK`), else 0.
     pub completion_wallclock_ns: u64,
+    /// The XRC SRQ a receive of an XRC target QP came from (0: none), as a CQE names it: the
+    /// completion goes to that SRQ's CQ.
+    pub xrc_srqn: u32,
 }
 
 impl WorkCompletion {
@@ -219,6 +224,7 @@ impl WorkCompletion {
             dlid_path_bits: 0,
             completion_ts: 0,
             completion_wallclock_ns: 0,
+            xrc_srqn: 0,
         }
     }
 }
