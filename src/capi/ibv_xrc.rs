@@ -169,8 +169,8 @@ fn target_shell(
     Ok(raw)
 }
 
-/// `ibv_create_qp_ex` with `IBV_QPT_XRC_RECV`: a target QP on `attr->xrcd` (no PD, CQs,
-/// SRQ or capabilities: those are ignored, as by mlx5, and the granted caps are 0).
+/// `ibv_create_qp_ex` with `IBV_QPT_XRC_RECV`: a target QP on `attr->xrcd` (its PD, CQs,
+/// SRQ and capabilities are not used, as by mlx5; the granted caps are 0).
 pub(crate) fn create_target_qp(
     ctx: *mut ibv_context,
     a: &mut ibv_qp_init_attr_ex,
@@ -191,6 +191,14 @@ pub(crate) fn create_target_qp(
     match created {
         Ok(raw) => {
             a.cap = ibv_qp_cap::default();
+            // As libibverbs: the handle keeps the PD and CQs it was given (unused by the QP).
+            let pd_bit = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0;
+            // SAFETY: the shell just made; the application has not seen it yet.
+            unsafe {
+                (*raw).pd = if a.comp_mask & pd_bit != 0 { a.pd } else { std::ptr::null_mut() };
+                (*raw).send_cq = a.send_cq;
+                (*raw).recv_cq = a.recv_cq;
+            }
             raw
         }
         Err(e) => <*mut ibv_qp>::fail(e.errno()),
