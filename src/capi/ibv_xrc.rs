@@ -79,6 +79,9 @@ pub(crate) unsafe extern "C" fn open_xrcd_op(
 /// `verbs_context.close_xrcd`: EBUSY while SRQs or QPs made through this handle remain.
 pub(crate) unsafe extern "C" fn close_xrcd_op(xrcd: *mut ibv_xrcd) -> c_int {
     ffi_boundary!("ibv_close_xrcd", {
+        if xrcd.is_null() {
+            return libc::EINVAL;
+        }
         // SAFETY: reached through ugdr's ops table, so a ugdr xrcd (its context is ours).
         let Some(shell) = (unsafe { our_xrcd(xrcd, (*xrcd).context) }) else {
             return libc::EINVAL;
