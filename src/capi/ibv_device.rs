@@ -346,6 +346,7 @@ pub(crate) unsafe extern "C" fn query_device_ex_op(
                 ud_odp_caps: device::odp::UD_CAPS,
             },
         };
+        out.xrc_odp_caps = device::odp::XRC_CAPS;
         out.completion_timestamp_mask = clock::COMPLETION_TIMESTAMP_MASK;
         out.hca_core_clock = clock::HCA_CORE_CLOCK_KHZ;
         out.max_dm_size = device::MAX_DM_SIZE;
