@@ -271,8 +271,7 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
     out.max_qp_wr = a.max_qp_wr;
     out.device_cap_flags = (ibv_device_cap_flags::IBV_DEVICE_RC_RNR_NAK_GEN.0
         | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0
-        | ibv_device_cap_flags::IBV_DEVICE_XRC.0)
-        as c_uint;
+        | ibv_device_cap_flags::IBV_DEVICE_XRC.0) as c_uint;
     out.max_sge = a.max_sge;
     out.max_sge_rd = a.max_sge_rd;
     out.max_cq = a.max_cq;

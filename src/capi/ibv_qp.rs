@@ -697,8 +697,8 @@ unsafe fn send_request(
         compare_add,
         swap,
         ud,
-        // SAFETY: an XRC_SEND QP's WRs carry the `xrc` member of the union.
         xrc_srqn: if qp_type == QpType::XrcSend {
+            // SAFETY: an XRC_SEND QP's WRs carry the `xrc` member of the union.
             unsafe { w.qp_type.xrc.remote_srqn }
         } else {
             0

@@ -33,7 +33,11 @@ pub(crate) unsafe fn our_srq<'a>(srq: *mut ibv_srq) -> Option<&'a SrqShell> {
     unsafe { SrqShell::from_raw(srq) }
 }
 
-pub(super) fn create(pd: *mut ibv_pd, srq_context: *mut c_void, attr: &mut ibv_srq_attr) -> *mut ibv_srq {
+pub(super) fn create(
+    pd: *mut ibv_pd,
+    srq_context: *mut c_void,
+    attr: &mut ibv_srq_attr,
+) -> *mut ibv_srq {
     // SAFETY: callers checked that the PD's context is ugdr's.
     let Some(pd_shell) = (unsafe { PdShell::from_raw(pd) }) else {
         return <*mut ibv_srq>::fail(libc::EINVAL);

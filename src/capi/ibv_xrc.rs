@@ -36,7 +36,8 @@ pub(crate) unsafe extern "C" fn open_xrcd_op(
 ) -> *mut ibv_xrcd {
     ffi_boundary!("ibv_open_xrcd", {
         // SAFETY: ctx is the application's context (checked ours below).
-        let Some(context) = (unsafe { ContextShell::from_raw(ctx) }).filter(|_| ContextShell::is_ours(ctx))
+        let Some(context) =
+            (unsafe { ContextShell::from_raw(ctx) }).filter(|_| ContextShell::is_ours(ctx))
         else {
             return <*mut ibv_xrcd>::fail(libc::EINVAL);
         };
@@ -174,10 +175,7 @@ fn target_shell(
 
 /// `ibv_create_qp_ex` with `IBV_QPT_XRC_RECV`: a target QP on `attr->xrcd` (its PD, CQs,
 /// SRQ and capabilities are not used, as by mlx5; the granted caps are 0).
-pub(crate) fn create_target_qp(
-    ctx: *mut ibv_context,
-    a: &mut ibv_qp_init_attr_ex,
-) -> *mut ibv_qp {
+pub(crate) fn create_target_qp(ctx: *mut ibv_context, a: &mut ibv_qp_init_attr_ex) -> *mut ibv_qp {
     let xrcd_bit = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_XRCD.0;
     // SAFETY: the application's xrcd pointer (or NULL); ownership checked.
     let Some(xrcd) = (unsafe { our_xrcd(a.xrcd, ctx) }).filter(|_| a.comp_mask & xrcd_bit != 0)
@@ -198,7 +196,11 @@ pub(crate) fn create_target_qp(
             let pd_bit = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0;
             // SAFETY: the shell just made; the application has not seen it yet.
             unsafe {
-                (*raw).pd = if a.comp_mask & pd_bit != 0 { a.pd } else { std::ptr::null_mut() };
+                (*raw).pd = if a.comp_mask & pd_bit != 0 {
+                    a.pd
+                } else {
+                    std::ptr::null_mut()
+                };
                 (*raw).send_cq = a.send_cq;
                 (*raw).recv_cq = a.recv_cq;
             }

@@ -30,11 +30,7 @@ pub struct XrcTarget {
 
 impl QueuePair {
     /// `ibv_create_qp_ex` with `IBV_QPT_XRC_RECV` on `xrcd`.
-    pub fn new_xrc_target(
-        qp_num: u32,
-        xrcd: &Arc<XrcdHandle>,
-        local_lid: u16,
-    ) -> Arc<QueuePair> {
+    pub fn new_xrc_target(qp_num: u32, xrcd: &Arc<XrcdHandle>, local_lid: u16) -> Arc<QueuePair> {
         let d = &xrcd.domain;
         d.target_pd.adopt_child();
         d.target_cq.adopt_user();
