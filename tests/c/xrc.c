@@ -4,7 +4,8 @@
  * of this process sends to an XRC_RECV QP of this process; every completion's fields and the
  * bytes moved are checked, and the error cases: an SRQ number of another domain or of none (the
  * sender's WR completes with IBV_WC_REM_INV_REQ_ERR, the target goes to ERR with
- * IBV_EVENT_QP_REQ_ERR), xrcd open flags, closing an xrcd in use (EBUSY), ibv_open_qp of a
+ * IBV_EVENT_QP_REQ_ERR), a SEND above the SRQ WR's length (LOC_LEN_ERR on the SRQ's CQ), a
+ * SEND waiting for an SRQ WR (RNR), xrcd open flags, closing an xrcd in use (EBUSY), ibv_open_qp of a
  * number that is not a target QP of the domain. Exit 0 and "xrc: ok" only if all hold. */
 #include "verbs_test.h"
 #include <arpa/inet.h>
@@ -255,6 +256,16 @@ int main(void)
     expect_recv_wc(rcq, 102, tgt_qpn, snd, 100, 0xfeed0003);
     CHECK(memcmp(rbuf[2], sbuf, 100) == 0, "data of message 3");
 
+    /* 3b. A SEND before its SRQ has a WR waits (RNR) and lands when one is posted. */
+    memset(sbuf, 'z', 200);
+    CHECK(post_xrc_send(snd, smr, sbuf, 200, 7, srqn, 0xfeed0007) == 0, "post_send to an empty SRQ");
+    expect_empty(scq, "a SEND waiting for an SRQ WR");
+    expect_empty(rcq, "the SRQ's CQ before a WR is posted");
+    post_srq(srq, rmr, rbuf[0], sizeof rbuf[0], 103);
+    expect_send_wc(scq, 7, IBV_WC_SUCCESS, snd, 200);
+    expect_recv_wc(rcq, 103, tgt_qpn, snd, 200, 0xfeed0007);
+    CHECK(memcmp(rbuf[0], sbuf, 200) == 0, "data of message 7");
+
     /* 4. An SRQ number of another domain: an invalid request. */
     post_srq(foreign, rmr, rbuf[3], sizeof rbuf[3], 200);
     CHECK(post_xrc_send(snd, smr, sbuf, 100, 4, foreign_srqn, 4) == 0, "post_send to a foreign SRQ");
@@ -277,6 +288,25 @@ int main(void)
     expect_qp_event(IBV_EVENT_QP_REQ_ERR, tgt2);
     CHECK(qp_state(tgt2) == IBV_QPS_ERR, "target QP 2 went to ERR");
     expect_empty(rcq, "the SRQ's CQ after SRQ 0");
+
+    /* 6. A SEND longer than the SRQ's WR: LOC_LEN_ERR on the SRQ's CQ, REM_INV_REQ_ERR at the
+     * sender, the target QP to ERR with IBV_EVENT_QP_REQ_ERR. */
+    struct ibv_qp *tgt3 = target_qp(x1);
+    struct ibv_qp *snd3 = send_qp(pd, scq);
+    connect_qp(tgt3, snd3->qp_num, 1);
+    connect_qp(snd3, tgt3->qp_num, 0);
+    post_srq(srq, rmr, rbuf[1], 16, 104);
+    CHECK(post_xrc_send(snd3, smr, sbuf, 100, 8, srqn, 8) == 0, "post_send above the WR's length");
+    struct ibv_wc wc;
+    memset(&wc, 0xab, sizeof wc);
+    CHECK(poll_one(rcq, &wc) == 1, "LOC_LEN_ERR completion");
+    CHECK(wc.wr_id == 104 && wc.status == IBV_WC_LOC_LEN_ERR && wc.qp_num == tgt3->qp_num &&
+          wc.vendor_err == 0 && wc.byte_len == 0 && wc.wc_flags == 0, "LOC_LEN_ERR wc: wr %llu %s qp %#x",
+          (unsigned long long)wc.wr_id, ibv_wc_status_str(wc.status), wc.qp_num);
+    expect_send_wc(scq, 8, IBV_WC_REM_INV_REQ_ERR, snd3, 0);
+    expect_qp_event(IBV_EVENT_QP_REQ_ERR, tgt3);
+    CHECK(qp_state(tgt3) == IBV_QPS_ERR, "target QP 3 went to ERR");
+    CHECK(ibv_destroy_qp(snd3) == 0 && ibv_destroy_qp(tgt3) == 0, "destroy pair 3");
 
     /* Teardown: each xrcd closes once its objects are gone. */
     CHECK(ibv_destroy_qp(snd) == 0 && ibv_destroy_qp(snd2) == 0, "destroy XRC_SEND QPs");
