@@ -329,7 +329,17 @@ pub unsafe extern "C" fn rdma_create_srq(
         }
         let srq = if raw.qp_type == ibv_qp_type::IBV_QPT_XRC_RECV {
             // SAFETY: the caller's attributes, checked non-NULL.
-            match create_xrc_srq(raw, id, pd, unsafe { &mut *attr }) {
+            let basic = unsafe { &mut *attr };
+            let mut ex = ibv_srq_init_attr_ex {
+                srq_context: basic.srq_context,
+                attr: basic.attr,
+                comp_mask: ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0,
+                pd,
+                ..Default::default()
+            };
+            let created = create_xrc_srq(raw, id, &mut ex);
+            basic.attr = ex.attr;
+            match created {
                 Ok(srq) => srq,
                 Err(errno) => return fail(errno),
             }
@@ -352,17 +362,33 @@ pub unsafe extern "C" fn rdma_create_srq_ex(
     attr: *mut ibv_srq_init_attr_ex,
 ) -> c_int {
     cm_boundary!("rdma_create_srq_ex", {
-        if our_id(id).is_none() {
+        let Some(shell) = our_id(id) else {
             return forward!(rdma_create_srq_ex(id, attr));
-        }
+        };
         // SAFETY: the caller's attributes (or NULL).
-        let Some(a) = (unsafe { attr.as_ref() }) else {
+        let Some(a) = (unsafe { attr.as_mut() }) else {
             return fail(libc::EINVAL);
         };
-        if a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0 != 0
-            && a.srq_type == ibv_srq_type::IBV_SRQT_TM
-        {
+        let typed = a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0 != 0;
+        if typed && a.srq_type == ibv_srq_type::IBV_SRQT_TM {
             return fail(libc::EOPNOTSUPP);
+        }
+        if typed && a.srq_type == ibv_srq_type::IBV_SRQT_XRC {
+            // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
+            let raw = unsafe { &mut *shell.raw.get() };
+            let pd_bit = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0;
+            if a.comp_mask & pd_bit == 0 || a.pd.is_null() {
+                a.pd = raw.pd;
+                a.comp_mask |= pd_bit;
+            }
+            return match create_xrc_srq(raw, id, a) {
+                Ok(srq) => {
+                    raw.srq = srq;
+                    raw.pd = a.pd;
+                    0
+                }
+                Err(errno) => fail(errno),
+            };
         }
         let pd = if a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0 != 0 {
             a.pd
@@ -420,33 +446,28 @@ fn cm_xrcd(verbs: *mut ibv_context) -> Result<*mut ibv_xrcd, c_int> {
     Ok(x)
 }
 
-/// `rdma_create_srq` on an XRC_RECV id: an XRC SRQ in the CM's domain, completing on the
+/// An XRC SRQ for an id (`rdma_create_srq` on an XRC_RECV id, `rdma_create_srq_ex` with
+/// `IBV_SRQT_XRC`): in the CM's domain unless `ex` names one, completing on `ex`'s CQ or the
 /// id's receive CQ (made here when the id has none), as librdmacm's.
 fn create_xrc_srq(
     raw: &mut rdma_cm_id,
     id: *mut rdma_cm_id,
-    pd: *mut ibv_pd,
-    attr: &mut ibv_srq_init_attr,
+    ex: &mut ibv_srq_init_attr_ex,
 ) -> Result<*mut ibv_srq, c_int> {
-    let xrcd = cm_xrcd(raw.verbs)?;
-    if raw.recv_cq.is_null() {
-        create_cq(raw, id, attr.attr.max_wr, false)?;
+    let xrcd_bit = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_XRCD.0;
+    let cq_bit = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_CQ.0;
+    if ex.comp_mask & xrcd_bit == 0 || ex.xrcd.is_null() {
+        ex.xrcd = cm_xrcd(raw.verbs)?;
     }
-    let mut ex = ibv_srq_init_attr_ex {
-        srq_context: attr.srq_context,
-        attr: attr.attr,
-        comp_mask: ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0
-            | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0
-            | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_XRCD.0
-            | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_CQ.0,
-        srq_type: ibv_srq_type::IBV_SRQT_XRC,
-        pd,
-        xrcd,
-        cq: raw.recv_cq,
-        ..Default::default()
-    };
-    let srq = crate::capi::ibv_xrc::create_xrc_srq(raw.verbs, &mut ex);
-    attr.attr = ex.attr;
+    if ex.comp_mask & cq_bit == 0 || ex.cq.is_null() {
+        if raw.recv_cq.is_null() {
+            create_cq(raw, id, ex.attr.max_wr, false)?;
+        }
+        ex.cq = raw.recv_cq;
+    }
+    ex.comp_mask |= xrcd_bit | cq_bit | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0;
+    ex.srq_type = ibv_srq_type::IBV_SRQT_XRC;
+    let srq = crate::capi::ibv_xrc::create_xrc_srq(raw.verbs, ex);
     if srq.is_null() {
         return Err(errno_or(libc::EINVAL));
     }
