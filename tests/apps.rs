@@ -154,6 +154,12 @@ fn the_device_has_a_vendor_identity_in_both_profiles_and_nothing_else_differs() 
     );
     assert!(flags.contains("MEM_MGT_EXTENSIONS"), "{flags}");
     assert!(flags.contains("MEM_WINDOW_TYPE_2B"), "{flags}");
+    // XRC is carried: IBV_DEVICE_XRC (bit 20).
+    assert_ne!(
+        bits & (1 << 20),
+        0,
+        "IBV_DEVICE_XRC not advertised: {flags}"
+    );
 }
 
 fn rc_pingpong(opts: &[&str], timeout_s: u64) {

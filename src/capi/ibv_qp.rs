@@ -42,7 +42,7 @@ fn supported_send_ops(qp_type: u32) -> u64 {
     match QpType::from_raw(qp_type) {
         Some(QpType::Rc) => RC_SEND_OPS,
         Some(QpType::Uc) => UC_SEND_OPS,
-        Some(QpType::Ud) => UD_SEND_OPS,
+        Some(QpType::Ud | QpType::XrcSend) => UD_SEND_OPS,
         _ => 0,
     }
 }
@@ -53,7 +53,7 @@ const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
 
 /// # Safety
 /// `cq` is NULL or a valid `ibv_cq`.
-unsafe fn our_cq<'a>(cq: *mut ibv_cq) -> Option<&'a CqShell> {
+pub(crate) unsafe fn our_cq<'a>(cq: *mut ibv_cq) -> Option<&'a CqShell> {
     if cq.is_null() {
         return None;
     }
@@ -108,8 +108,13 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
     let pd_shell = unsafe { PdShell::from_raw(args.pd) }.ok_or(VerbsError::Invalid("pd"))?;
     // SAFETY: the application's CQ pointers (or NULL), ownership checked.
     let send_cq = unsafe { our_cq(args.send_cq) }.ok_or(VerbsError::Invalid("send_cq"))?;
-    // SAFETY: as above.
-    let recv_cq = unsafe { our_cq(args.recv_cq) }.ok_or(VerbsError::Invalid("recv_cq"))?;
+    let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
+    // An XRC_SEND QP has no receive queue (and no receive CQ).
+    let recv_cq = match qp_type {
+        QpType::XrcSend => send_cq,
+        // SAFETY: as above.
+        _ => unsafe { our_cq(args.recv_cq) }.ok_or(VerbsError::Invalid("recv_cq"))?,
+    };
     let srq = if args.srq.is_null() {
         None
     } else {
@@ -120,11 +125,9 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
                 .inner,
         ))
     };
-    let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
-    if !matches!(qp_type, QpType::Rc | QpType::Uc | QpType::Ud) {
-        // XRC (and raw packet) QPs: not carried, as on a device without XRC support.
-        return Err(VerbsError::Unsupported(
-            "queue pair type (ugdr carries RC, UC and UD queue pairs)",
+    if qp_type == QpType::XrcRecv {
+        return Err(VerbsError::Invalid(
+            "an XRC_RECV QP is made on an xrcd (ibv_create_qp_ex, IBV_QP_INIT_ATTR_XRCD)",
         ));
     }
     // A QP created through a parent domain with an allocator lives in its memory.
@@ -234,6 +237,9 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         }
         // SAFETY: the caller's attribute struct, checked non-NULL.
         let a = unsafe { &mut *attr };
+        if a.qp_type == ibv_qp_type::IBV_QPT_XRC_RECV {
+            return super::ibv_xrc::create_target_qp(ctx, a);
+        }
         let flags_given = a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0 != 0;
         if a.comp_mask & !SUPPORTED_INIT_MASK != 0 || (flags_given && a.create_flags != 0) {
             return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
@@ -537,6 +543,10 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
                 _ => c_int::fail(libc::EINVAL),
             };
         };
+        // SAFETY: ours; not used again when it was one of several handles.
+        if unsafe { super::ibv_xrc::close_target_handle(qp, shell) } {
+            return 0;
+        }
         if let Ok(engine) = Engine::get() {
             let locked = engine.worker.lock();
             shell.inner.flush_ack(&locked);
@@ -702,6 +712,12 @@ unsafe fn send_request(
         swap,
         ud,
         bind,
+        xrc_srqn: if qp_type == QpType::XrcSend {
+            // SAFETY: an XRC_SEND QP's WRs carry the `xrc` member of the union.
+            unsafe { w.qp_type.xrc.remote_srqn }
+        } else {
+            0
+        },
     })
 }
 
@@ -1077,7 +1093,19 @@ unsafe extern "C" fn wr_set_ud_addr(
         }
     })
 }
-refused_builder!(wr_set_xrc_srqn, u32);
+
+/// `ibv_wr_set_xrc_srqn`: the SRQ at the target of the last XRC_SEND request built.
+unsafe extern "C" fn wr_set_xrc_srqn(qp: *mut ibv_qp_ex, remote_srqn: u32) {
+    ffi_boundary!("ibv_wr_set_xrc_srqn", {
+        // SAFETY: see `batch`.
+        let (shell, b) = unsafe { batch(qp) };
+        if shell.inner.qp_type != QpType::XrcSend {
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        with_last(b, |r| r.xrc_srqn = remote_srqn);
+    })
+}
 refused_builder!(wr_atomic_write, u32, u64, *const c_void);
 
 pub(crate) fn install_wr_ops(qp: &mut ibv_qp_ex) {

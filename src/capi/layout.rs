@@ -14,6 +14,7 @@ use crate::fake_verbs::pd::{ParentDomain, ParentUse, ProtectionDomain, ThreadDom
 use crate::fake_verbs::qp::QueuePair;
 use crate::fake_verbs::srq::SharedReceiveQueue;
 use crate::fake_verbs::work::{SendRequest, WorkCompletion};
+use crate::fake_verbs::xrc::XrcdHandle;
 use crate::sys::*;
 use dashmap::{DashMap, DashSet};
 use rustc_hash::FxBuildHasher;
@@ -163,6 +164,10 @@ shell!(
 shell!(
     /// `ibv_srq`.
     SrqShell, ibv_srq, SharedReceiveQueue
+);
+shell!(
+    /// `ibv_xrcd`.
+    XrcdShell, ibv_xrcd, XrcdHandle
 );
 shell!(
     /// `ibv_ah`.

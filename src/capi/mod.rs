@@ -15,6 +15,7 @@ mod ibv_not_yet;
 mod ibv_pd_mr;
 mod ibv_qp;
 mod ibv_srq;
+pub(crate) mod ibv_xrc;
 pub(crate) mod layout;
 mod libc_hooks;
 mod ops;

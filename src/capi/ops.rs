@@ -7,7 +7,7 @@ use super::boundary::set_errno;
 use super::{
     ibv_cq as cq_exports, ibv_device as device_exports, ibv_dm as dm_exports,
     ibv_domain as domain_exports, ibv_mw as mw_exports, ibv_pd_mr as mr_exports,
-    ibv_qp as qp_exports, ibv_srq as srq_exports,
+    ibv_qp as qp_exports, ibv_srq as srq_exports, ibv_xrc as xrc_exports,
 };
 use crate::sys::*;
 use std::os::raw::c_int;
@@ -86,11 +86,11 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.ibv_create_flow = unsupported!(fn(*mut ibv_qp, *mut ibv_flow_attr) -> *mut ibv_flow);
     vctx.ABI_placeholder1 = Some(abi_placeholder);
     vctx.ABI_placeholder2 = Some(abi_placeholder);
-    vctx.open_qp = unsupported!(fn(*mut ibv_context, *mut ibv_qp_open_attr) -> *mut ibv_qp);
-    vctx.get_srq_num = unsupported!(fn(*mut ibv_srq, *mut u32) -> c_int);
+    vctx.open_qp = Some(xrc_exports::open_qp_op);
+    vctx.get_srq_num = Some(xrc_exports::get_srq_num_op);
     vctx.create_srq_ex = Some(srq_exports::create_srq_ex_op);
-    vctx.open_xrcd = unsupported!(fn(*mut ibv_context, *mut ibv_xrcd_init_attr) -> *mut ibv_xrcd);
-    vctx.close_xrcd = unsupported!(fn(*mut ibv_xrcd) -> c_int);
+    vctx.open_xrcd = Some(xrc_exports::open_xrcd_op);
+    vctx.close_xrcd = Some(xrc_exports::close_xrcd_op);
 }
 
 /// `ABI_placeholder1/2` are never called by rdma-core 44's inlines (rdma-core copies the flow

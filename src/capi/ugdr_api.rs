@@ -768,6 +768,7 @@ unsafe fn send_request(w: &ugdr_send_wr, caps: &QpCaps) -> Result<SendRequest, V
         swap: 0,
         ud: None,
         bind: None,
+        xrc_srqn: 0,
     })
 }
 

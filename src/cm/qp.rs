@@ -107,15 +107,18 @@ impl QpParams {
                 a.path_mtu = PATH_MTU_4096;
                 a.dest_qp_num = peer.qpn;
                 a.rq_psn = peer.psn;
-                a.max_dest_rd_atomic = self.responder_resources;
-                a.min_rnr_timer = MIN_RNR_TIMER;
-                AttrMask::STATE
+                let connect = AttrMask::STATE
                     | AttrMask::AV
                     | AttrMask::PATH_MTU
                     | AttrMask::DEST_QPN
-                    | AttrMask::RQ_PSN
-                    | AttrMask::MAX_DEST_RD_ATOMIC
-                    | AttrMask::MIN_RNR_TIMER
+                    | AttrMask::RQ_PSN;
+                if self.qp_type == QpType::XrcSend.to_raw() {
+                    connect // an XRC initiator has no responder side (the kernel CM's masks)
+                } else {
+                    a.max_dest_rd_atomic = self.responder_resources;
+                    a.min_rnr_timer = MIN_RNR_TIMER;
+                    connect | AttrMask::MAX_DEST_RD_ATOMIC | AttrMask::MIN_RNR_TIMER
+                }
             }
             QpState::Rts if ud => {
                 a.sq_psn = 0;
@@ -126,6 +129,16 @@ impl QpParams {
                     return Err(CmError::Invalid("no peer to connect the QP to"));
                 }
                 a.timeout = self.ack_timeout;
+                a.sq_psn = self.local_psn;
+                if self.qp_type == QpType::XrcRecv.to_raw() {
+                    // An XRC target sends nothing of its own (the kernel CM's masks).
+                    return Ok(ModifyRequest {
+                        mask: AttrMask::STATE | AttrMask::TIMEOUT | AttrMask::SQ_PSN,
+                        state: Some(state),
+                        claimed_cur: None,
+                        attrs: a,
+                    });
+                }
                 a.retry_cnt = self.retry_count.min(7);
                 a.rnr_retry = self.rnr_retry_count.min(7);
                 a.sq_psn = self.local_psn;

@@ -4,7 +4,7 @@
 //! [`pd::ProtectionDomain`] (or a [`pd::ParentDomain`] on it) → [`mr::MemoryRegion`] (of host
 //! memory, or of [`dm::DeviceMemory`]), [`mw::MemoryWindow`] (bound to a region); [`cq::CompletionQueue`] (optionally on a
 //! [`cq::CompletionChannel`]); [`qp::QueuePair`] (PD + send/recv CQs), whose state machine is
-//! [`qp_state`]; [`ah::AddressHandle`] (PD) names a UD destination. Children hold their parents (`Arc`) and count themselves in, so destroying a
+//! [`qp_state`]; [`ah::AddressHandle`] (PD) names a UD destination; [`xrc::XrcDomain`] (`ibv_open_xrcd`) holds XRC SRQs and XRC target QPs. Children hold their parents (`Arc`) and count themselves in, so destroying a
 //! parent that still has children fails with EBUSY as rdma-core's does.
 
 #![forbid(unsafe_code)]
@@ -24,5 +24,6 @@ pub mod qp;
 pub mod qp_state;
 pub mod srq;
 pub mod work;
+pub mod xrc;
 
 pub use error::VerbsError;

@@ -89,6 +89,8 @@ pub struct SendRequest {
     pub ud: Option<UdDestination>,
     /// BIND_MW: the window, the region and the range it is bound to.
     pub bind: Option<Box<BindRequest>>,
+    /// XRC_SEND: the SRQ at the target (`qp_type.xrc.remote_srqn`, `ibv_wr_set_xrc_srqn`).
+    pub xrc_srqn: u32,
 }
 
 /// The destination of a UD send: an address handle, the remote QP and its Q_Key.
@@ -128,6 +130,7 @@ impl SendRequest {
             swap: 0,
             ud: None,
             bind: None,
+            xrc_srqn: 0,
         }
     }
 
@@ -237,6 +240,9 @@ pub struct WorkCompletion {
     pub completion_ts: u64,
     /// The wall clock then, in ns since the epoch (`..._TIMESTAMP_WALLCLOCK`), else 0.
     pub completion_wallclock_ns: u64,
+    /// The XRC SRQ a receive of an XRC target QP came from (0: none), as a CQE names it: the
+    /// completion goes to that SRQ's CQ.
+    pub xrc_srqn: u32,
 }
 
 impl WorkCompletion {
@@ -258,6 +264,7 @@ impl WorkCompletion {
             dlid_path_bits: 0,
             completion_ts: 0,
             completion_wallclock_ns: 0,
+            xrc_srqn: 0,
         }
     }
 }

@@ -123,6 +123,15 @@ impl QueuePair {
             ) => {
                 return Err(VerbsError::Invalid("UC carries no RDMA READ or atomics"));
             }
+            (QpType::XrcSend, SendOpcode::Send | SendOpcode::SendWithImm) => {}
+            (QpType::XrcSend, _) => {
+                return Err(VerbsError::Invalid(
+                    "ugdr carries SEND and SEND_WITH_IMM over XRC",
+                ));
+            }
+            (QpType::XrcRecv, _) => {
+                return Err(VerbsError::Invalid("an XRC target QP has no send queue"));
+            }
             _ => {}
         }
         let op = match req.opcode {
@@ -250,6 +259,9 @@ impl QueuePair {
         if op != Op::Send {
             header.remote_addr = req.remote_addr;
             header.rkey = req.rkey;
+        } else if self.qp_type == QpType::XrcSend {
+            // The XRC SRQ at the target (XRCETH): a SEND's rkey field is free.
+            header.rkey = req.xrc_srqn;
         }
         if req.opcode == SendOpcode::SendWithInv {
             header.flags |= wire::FLAG_INV;
@@ -264,7 +276,7 @@ impl QueuePair {
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
-        if self.qp_type == QpType::Rc {
+        if self.qp_type.reliable() {
             // Kept until answered, to be sent again if the responder dropped it.
             if let Some(e) = q.sq.back_mut() {
                 e.resend = Some((header, payload.clone()));
@@ -293,7 +305,7 @@ impl QueuePair {
         data_seq: Option<u32>,
     ) {
         // UC and UD sends complete once UCX is done with the buffer: nothing acknowledges them.
-        let unreliable = self.qp_type != QpType::Rc;
+        let unreliable = !self.qp_type.reliable();
         let result = match data_seq {
             Some(seq) => {
                 let me = Arc::clone(self);
