@@ -10,13 +10,17 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// Bytes a send carries by value: small ones (inline data, atomic operands and answers) live
+/// in place, without a heap allocation.
+pub type OwnedBytes = SmallVec<[u8; 64]>;
+
 /// What a send carries after its header.
 pub enum SendPayload {
     None,
     /// Application memory (checked spans); must stay valid until the send completes.
     Spans(SmallVec<[AppSpan; 4]>),
     /// Bytes ugdr owns (inline data, replies); kept alive by the request.
-    Owned(Vec<u8>),
+    Owned(OwnedBytes),
 }
 
 type ErrorHandler = Box<dyn Fn(&LockedWorker<'_>, Error) + Send + Sync>;
@@ -46,12 +50,34 @@ unsafe impl Sync for Endpoint {}
 /// Runs when the send completes locally (buffers reusable), under the worker lock.
 pub type SendDone = Box<dyn FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send>;
 
-struct SendRequest {
+/// What UCX may keep of a pending send: the header, the IOV, owned bytes, and what runs when
+/// it completes. Pooled per worker ([`Worker::take_send_buffer`]).
+pub(super) struct SendRequest {
     worker: *const Worker,
     header: SmallVec<[u8; 64]>,
     iov: SmallVec<[sys::ucp_dt_iov_t; 4]>,
-    _owned: Vec<u8>,
+    owned: OwnedBytes,
     done: Option<SendDone>,
+}
+
+impl SendRequest {
+    pub(super) fn new(worker: &Worker) -> Box<SendRequest> {
+        Box::new(SendRequest {
+            worker,
+            header: SmallVec::new(),
+            iov: SmallVec::new(),
+            owned: OwnedBytes::new(),
+            done: None,
+        })
+    }
+
+    /// Empties the buffer for its next send.
+    pub(super) fn clear(&mut self) {
+        self.header.clear();
+        self.iov.clear();
+        self.owned.clear();
+        self.done = None;
+    }
 }
 
 /// Whether a send finished inside the call or will call back from progress.
@@ -128,6 +154,11 @@ impl Endpoint {
     /// Sends active message `id` with `header` and `payload`. The header is copied; payload
     /// spans must stay valid until `done` runs. When the send finishes inside this call,
     /// returns `SendState::Done` and does not call `done`.
+    ///
+    /// No allocation once the worker's pool of send buffers is warm: a small message is
+    /// tried with UCX's short protocol (nothing to keep); otherwise the header, the IOV and
+    /// owned bytes go into a pooled buffer that UCX may keep if the send stays pending, with
+    /// one UCX call, and `done` is boxed only then.
     pub fn am_send<F>(
         &self,
         locked: &LockedWorker<'_>,
@@ -139,7 +170,97 @@ impl Endpoint {
     where
         F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
     {
-        let _ = locked; // the proof that the worker lock is held
+        let len = header.len()
+            + match &payload {
+                SendPayload::None => 0,
+                SendPayload::Spans(spans) => spans.iter().map(|s| s.len()).sum(),
+                SendPayload::Owned(bytes) => bytes.len(),
+            };
+        let payload = if len <= IMMEDIATE_MAX {
+            match self.send_immediate(id, header, payload) {
+                Ok(state) => return Ok(state),
+                Err(Ok(payload)) => payload,
+                Err(Err(e)) => return Err(e),
+            }
+        } else {
+            payload
+        };
+        let mut req = self.worker.take_send_buffer(locked);
+        req.header.extend_from_slice(header);
+        match payload {
+            SendPayload::None => {}
+            SendPayload::Spans(spans) => req.iov.extend(
+                spans
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .map(|s| sys::ucp_dt_iov_t {
+                        buffer: s.as_ptr() as *mut c_void,
+                        length: s.len(),
+                    }),
+            ),
+            SendPayload::Owned(bytes) => {
+                req.owned = bytes;
+                if !req.owned.is_empty() {
+                    // The bytes live in the (boxed) buffer now: point at them there.
+                    req.iov.push(sys::ucp_dt_iov_t {
+                        buffer: req.owned.as_ptr() as *mut c_void,
+                        length: req.owned.len(),
+                    });
+                }
+            }
+        }
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0,
+            cb: sys::ucp_request_param_t__bindgen_ty_1 {
+                send: Some(send_callback),
+            },
+            user_data: &mut *req as *mut SendRequest as *mut c_void,
+            ..Default::default()
+        };
+        let (datatype, buf, count) = buffer_of(&req.iov);
+        let param = sys::ucp_request_param_t { datatype, ..param };
+        let (hdr, hdr_len) = (req.header.as_ptr() as *const c_void, req.header.len());
+        // SAFETY: the worker lock is held (`locked`); header and iov live in the boxed buffer,
+        // which stays put (leaked to the callback) while the send is pending; payload spans
+        // are valid per SendPayload's contract.
+        let ret = unsafe {
+            self.worker.api().ucp_am_send_nbx(
+                self.handle.as_ptr(),
+                id,
+                hdr,
+                hdr_len,
+                buf,
+                count,
+                &param,
+            )
+        };
+        if ucs::ptr_is_ptr(ret) {
+            // Pending: UCX calls send_callback from a later progress, which needs the worker
+            // lock this thread holds, so `done` is in place before it can run.
+            req.done = Some(Box::new(done));
+            let _ = Box::into_raw(req); // reclaimed by send_callback
+            return Ok(SendState::Pending);
+        }
+        self.worker.return_send_buffer(locked, req);
+        if ucs::ptr_is_err(ret) {
+            Err(Error::from_status(ucs::ptr_status(ret)))
+        } else {
+            Ok(SendState::Done)
+        }
+    }
+}
+
+impl Endpoint {
+    /// A send UCX can finish inside the call (its short protocol) needs nothing kept alive:
+    /// try that first for small messages. Gives the payload back when UCX could not.
+    fn send_immediate(
+        &self,
+        id: u32,
+        header: &[u8],
+        payload: SendPayload,
+    ) -> Result<SendState, Result<SendPayload, Error>> {
         let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match &payload {
             SendPayload::None => SmallVec::new(),
             SendPayload::Spans(spans) => spans
@@ -159,8 +280,6 @@ impl Endpoint {
                 1,
             ),
         };
-        // Fast path: a send UCX can finish inside the call (small messages) needs nothing kept
-        // alive, so nothing is allocated for it.
         let (datatype, buf, count) = buffer_of(&iov);
         let immediate = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0
@@ -168,8 +287,9 @@ impl Endpoint {
             datatype,
             ..Default::default()
         };
-        // SAFETY: lock held; header, iov and the payload they point to outlive the call, and
-        // with FORCE_IMM_CMPL UCX either completes inside it or fails without keeping them.
+        // SAFETY: the caller holds the worker lock (am_send's `locked`); header, iov and the
+        // payload they point to outlive the call, and with FORCE_IMM_CMPL UCX either completes
+        // inside it or fails without keeping them.
         let ret = unsafe {
             self.worker.api().ucp_am_send_nbx(
                 self.handle.as_ptr(),
@@ -182,58 +302,21 @@ impl Endpoint {
             )
         };
         if ret.is_null() {
-            return Ok(SendState::Done);
-        }
-        if ucs::ptr_is_err(ret) && ucs::ptr_status(ret) != sys::ucs_status_t::UCS_ERR_NO_RESOURCE {
-            return Err(Error::from_status(ucs::ptr_status(ret)));
-        }
-        // Slow path: keep header, iov and owned bytes in a request the callback frees.
-        let mut req = Box::new(SendRequest {
-            worker: Arc::as_ptr(&self.worker),
-            header: SmallVec::from_slice(header),
-            iov,
-            _owned: match payload {
-                SendPayload::Owned(bytes) => bytes,
-                _ => Vec::new(),
-            },
-            done: Some(Box::new(done)),
-        });
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
-                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
-                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0,
-            cb: sys::ucp_request_param_t__bindgen_ty_1 {
-                send: Some(send_callback),
-            },
-            user_data: &mut *req as *mut SendRequest as *mut c_void,
-            ..Default::default()
-        };
-        let (datatype, buf, count) = buffer_of(&req.iov);
-        let param = sys::ucp_request_param_t { datatype, ..param };
-        let (hdr, hdr_len) = (req.header.as_ptr() as *const c_void, req.header.len());
-        // SAFETY: lock held; header and iov live in `req`, which is leaked to the callback when
-        // the send is pending; payload spans are valid per SendPayload's contract.
-        let ret = unsafe {
-            self.worker.api().ucp_am_send_nbx(
-                self.handle.as_ptr(),
-                id,
-                hdr,
-                hdr_len,
-                buf,
-                count,
-                &param,
-            )
-        };
-        if ucs::ptr_is_ptr(ret) {
-            let _ = Box::into_raw(req); // reclaimed by send_callback
-            Ok(SendState::Pending)
-        } else if ucs::ptr_is_err(ret) {
-            Err(Error::from_status(ucs::ptr_status(ret)))
-        } else {
             Ok(SendState::Done)
+        } else if ucs::ptr_is_err(ret)
+            && ucs::ptr_status(ret) != sys::ucs_status_t::UCS_ERR_NO_RESOURCE
+        {
+            Err(Err(Error::from_status(ucs::ptr_status(ret))))
+        } else {
+            Err(Ok(payload))
         }
     }
 }
+
+/// Messages up to this size (header included) are first tried with UCX's short protocol,
+/// which completes inside the call: shared memory's limit is a little above this (its FIFO
+/// elements are 128 bytes), TCP's far above. Larger ones go straight to one pooled send.
+const IMMEDIATE_MAX: usize = 96;
 
 /// UCX's buffer description for a gather list: one segment goes as a contiguous buffer (so
 /// small messages can use UCX's short protocol, which IOVs cannot), several as an IOV.
@@ -280,11 +363,12 @@ unsafe extern "C" fn send_callback(
         } else {
             Err(Error::from_status(status))
         };
+        // SAFETY: request returned by ucp_am_send_nbx, freed once.
+        unsafe { worker.api().ucp_request_free(request) };
         if let Some(done) = req.done.take() {
             done(&locked, result);
         }
-        // SAFETY: request returned by ucp_am_send_nbx, freed once.
-        unsafe { worker.api().ucp_request_free(request) };
+        worker.return_send_buffer(&locked, req);
     }));
 }
 

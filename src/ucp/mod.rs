@@ -16,7 +16,7 @@ mod memory;
 mod status;
 mod worker;
 
-pub use endpoint::{Endpoint, SendDone, SendPayload, SendState};
+pub use endpoint::{Endpoint, OwnedBytes, SendDone, SendPayload, SendState};
 pub use library::{Ucx, ucx_version};
 pub use memory::{AppRegion, AppSpan, gather, scatter};
 pub use status::Error;
