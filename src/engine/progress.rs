@@ -141,19 +141,20 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
     let mut polls_seen = activity.app_polls.load(Ordering::Relaxed);
     let mut posts_seen = activity.app_posts.load(Ordering::Relaxed);
     let mut last_activity: Option<Instant> = None;
+    let mut polls_at_pass = polls_seen;
     let mut window_start = Instant::now();
-    let mut slept = true;
     while !stopping.load(Ordering::Acquire) {
+        // The application's polls are counted over windows of BUSY_POLL_WINDOW, across this
+        // thread's passes and short sleeps; polls counted in a window much older than that
+        // (this thread slept long) say nothing about now.
         let polls = activity.app_polls.load(Ordering::Relaxed);
-        // The application's polls are counted over a window: the last sleep, or passes of
-        // spinning that add up to BUSY_POLL_WINDOW.
-        let window_over = slept || window_start.elapsed() >= BUSY_POLL_WINDOW;
-        slept = false;
-        if window_over && polls.wrapping_sub(polls_seen) >= BUSY_POLL_THRESHOLD {
+        if window_start.elapsed() > 2 * BUSY_POLL_WINDOW {
+            polls_seen = polls;
+            window_start = Instant::now();
+        } else if polls.wrapping_sub(polls_seen) >= BUSY_POLL_THRESHOLD {
             // The application is spinning in ibv_poll_cq and progresses the worker itself. A
             // window without such polls (it blocks, or spins on memory a peer writes, as
             // ib_write_lat does) hands progress back to this thread.
-            polls_seen = polls;
             last_activity = Some(Instant::now());
             if mode == ProgressMode::Busy {
                 let until = Instant::now() + BUSY_POLL_WINDOW;
@@ -163,11 +164,11 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
             } else {
                 std::thread::sleep(BUSY_POLL_WINDOW);
             }
+            polls_seen = activity.app_polls.load(Ordering::Relaxed);
             window_start = Instant::now();
-            slept = true;
             continue;
         }
-        if window_over {
+        if window_start.elapsed() >= BUSY_POLL_WINDOW {
             polls_seen = polls;
             window_start = Instant::now();
         }
@@ -180,13 +181,6 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
             }
             events = events.saturating_add(n);
         }
-        if let Some(engine) = Engine::running() {
-            engine.flush_owed_acks(&locked);
-            if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
-                last_peer_check = Instant::now();
-                engine.check_local_peers(&locked);
-            }
-        }
         let posts = activity.app_posts.load(Ordering::Relaxed);
         if events > 0 || posts != posts_seen {
             posts_seen = posts;
@@ -194,11 +188,32 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
         }
         let spinning =
             mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin);
+        // The ACKs owed go alone now unless the application is polling and this thread will
+        // look again soon: then they ride on the application's answer, or go when its polls
+        // find nothing (Activity::progress_from_app). Never left behind before sleeping.
+        let app_polling = activity.app_polls.load(Ordering::Relaxed) != polls_at_pass;
+        polls_at_pass = activity.app_polls.load(Ordering::Relaxed);
+        if let Some(engine) = Engine::running() {
+            if !(spinning && app_polling) {
+                engine.flush_owed_acks(&locked);
+            }
+            if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
+                last_peer_check = Instant::now();
+                engine.check_local_peers(&locked);
+            }
+        }
         if spinning {
-            // Keep progressing, but let the application's threads (and the worker lock) go
-            // first: on a machine with few cores they need the CPU this thread would take.
             drop(locked);
-            std::thread::yield_now();
+            if mode == ProgressMode::Busy {
+                // A core of its own: only give the worker lock a moment to pass to others.
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            } else {
+                // Keep progressing, but let the application's threads (and the worker lock)
+                // go first: on a machine with few cores they need the CPU this thread takes.
+                std::thread::yield_now();
+            }
             continue;
         }
         last_activity = None;
@@ -207,7 +222,6 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
         }
         drop(locked);
         ucp::wait_readable(&[efd], 100);
-        slept = true;
     }
 }
 

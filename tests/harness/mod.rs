@@ -152,6 +152,11 @@ impl Guarded {
         }
     }
 
+    /// The child's pid.
+    pub fn pid(&self) -> i32 {
+        self.pgid
+    }
+
     fn kill_group(&self) {
         // SAFETY: killpg has no memory preconditions; `pgid` is the group this child leads
         // (process_group(0)), so only the child and what it started receive the signal.
@@ -322,11 +327,14 @@ pub fn run_pingpong(
     port: u16,
     timeout: Duration,
 ) -> (Output, Output) {
-    run_server_client(server, client, port, timeout, |p| {
-        let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
-            + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-        listening(p, &tcp)
-    })
+    run_server_client(server, client, port, timeout, listening_here)
+}
+
+/// Whether `port` listens on this host (in this test's network namespace).
+pub fn listening_here(port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
+        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    listening(port, &tcp)
 }
 
 /// Server and client arguments of an ibverbs-utils pingpong: `-p port opts` and the same
