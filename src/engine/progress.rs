@@ -129,6 +129,73 @@ impl Activity {
     }
 }
 
+/// While polling without sleeping, the progress thread takes the worker only once the
+/// application has neither polled nor posted for this long: an application between receiving
+/// and answering would otherwise find the worker taken, and if this thread lost its CPU while
+/// holding it (cores shared with spinning threads), wait for a whole scheduler tick.
+const APP_QUIET: Duration = Duration::from_micros(5);
+
+/// The application's counters as the progress thread last saw them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    polls: u64,
+    posts: u64,
+}
+
+impl Activity {
+    fn seen(&self) -> Seen {
+        Seen {
+            polls: self.app_polls.load(Ordering::Relaxed),
+            posts: self.app_posts.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Counts the application's polls over windows of BUSY_POLL_WINDOW, across the progress
+/// thread's passes and short sleeps.
+struct PollWindow {
+    start: Instant,
+    polls: u64,
+}
+
+impl PollWindow {
+    /// Whether the application busy-polls now (then the progress thread steps aside); polls
+    /// counted in a window much older than BUSY_POLL_WINDOW (this thread slept long) say
+    /// nothing about now.
+    fn busy_polling(&mut self, polls: u64) -> bool {
+        let age = self.start.elapsed();
+        if age > 2 * BUSY_POLL_WINDOW {
+            self.restart(polls);
+            return false;
+        }
+        if polls.wrapping_sub(self.polls) >= BUSY_POLL_THRESHOLD {
+            return true;
+        }
+        if age >= BUSY_POLL_WINDOW {
+            self.restart(polls);
+        }
+        false
+    }
+
+    fn restart(&mut self, polls: u64) {
+        self.start = Instant::now();
+        self.polls = polls;
+    }
+}
+
+/// Gives the CPU (adaptive) or only the worker lock (busy) a moment before the next pass.
+fn pause(mode: ProgressMode) {
+    if mode == ProgressMode::Busy {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+    } else {
+        // Let the application's threads go first: on a machine with few cores they need the
+        // CPU this thread takes.
+        std::thread::yield_now();
+    }
+}
+
 /// The progress thread's body: runs until `stopping`.
 pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, mode: ProgressMode) {
     let spin = match mode {
@@ -138,20 +205,20 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
     };
     let efd = worker.event_fd();
     let mut last_peer_check = Instant::now();
-    let mut polls_seen = activity.app_polls.load(Ordering::Relaxed);
-    let mut posts_seen = activity.app_posts.load(Ordering::Relaxed);
+    let mut seen = activity.seen();
+    let mut window = PollWindow {
+        start: Instant::now(),
+        polls: seen.polls,
+    };
+    // When something last happened (a message, a post, busy polling); None: idle.
     let mut last_activity: Option<Instant> = None;
-    let mut polls_at_pass = polls_seen;
-    let mut window_start = Instant::now();
+    // Since when the application has neither polled nor posted.
+    let mut app_quiet_since = Instant::now();
+    // Whether this thread polls without sleeping now.
+    let mut spinning = false;
     while !stopping.load(Ordering::Acquire) {
-        // The application's polls are counted over windows of BUSY_POLL_WINDOW, across this
-        // thread's passes and short sleeps; polls counted in a window much older than that
-        // (this thread slept long) say nothing about now.
-        let polls = activity.app_polls.load(Ordering::Relaxed);
-        if window_start.elapsed() > 2 * BUSY_POLL_WINDOW {
-            polls_seen = polls;
-            window_start = Instant::now();
-        } else if polls.wrapping_sub(polls_seen) >= BUSY_POLL_THRESHOLD {
+        let now = activity.seen();
+        if window.busy_polling(now.polls) {
             // The application is spinning in ibv_poll_cq and progresses the worker itself. A
             // window without such polls (it blocks, or spins on memory a peer writes, as
             // ib_write_lat does) hands progress back to this thread.
@@ -164,15 +231,33 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
             } else {
                 std::thread::sleep(BUSY_POLL_WINDOW);
             }
-            polls_seen = activity.app_polls.load(Ordering::Relaxed);
-            window_start = Instant::now();
+            window.restart(activity.seen().polls);
             continue;
         }
-        if window_start.elapsed() >= BUSY_POLL_WINDOW {
-            polls_seen = polls;
-            window_start = Instant::now();
+        if now != seen {
+            if now.posts != seen.posts {
+                last_activity = Some(Instant::now());
+            }
+            seen = now;
+            app_quiet_since = Instant::now();
         }
-        let locked = worker.lock();
+        spinning = spinning
+            && (mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin));
+        let locked = if spinning {
+            if app_quiet_since.elapsed() < APP_QUIET {
+                pause(mode);
+                continue;
+            }
+            match worker.try_lock() {
+                Some(l) => l,
+                None => {
+                    pause(mode);
+                    continue;
+                }
+            }
+        } else {
+            worker.lock()
+        };
         let mut events = 0u32;
         loop {
             let n = locked.progress();
@@ -181,18 +266,14 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
             }
             events = events.saturating_add(n);
         }
-        let posts = activity.app_posts.load(Ordering::Relaxed);
-        if events > 0 || posts != posts_seen {
-            posts_seen = posts;
+        if events > 0 {
             last_activity = Some(Instant::now());
         }
-        let spinning =
-            mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin);
+        spinning = mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin);
         // The ACKs owed go alone now unless the application is polling and this thread will
         // look again soon: then they ride on the application's answer, or go when its polls
         // find nothing (Activity::progress_from_app). Never left behind before sleeping.
-        let app_polling = activity.app_polls.load(Ordering::Relaxed) != polls_at_pass;
-        polls_at_pass = activity.app_polls.load(Ordering::Relaxed);
+        let app_polling = activity.seen().polls != seen.polls;
         if let Some(engine) = Engine::running() {
             if !(spinning && app_polling) {
                 engine.flush_owed_acks(&locked);
@@ -204,16 +285,7 @@ pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, m
         }
         if spinning {
             drop(locked);
-            if mode == ProgressMode::Busy {
-                // A core of its own: only give the worker lock a moment to pass to others.
-                for _ in 0..64 {
-                    std::hint::spin_loop();
-                }
-            } else {
-                // Keep progressing, but let the application's threads (and the worker lock)
-                // go first: on a machine with few cores they need the CPU this thread takes.
-                std::thread::yield_now();
-            }
+            pause(mode);
             continue;
         }
         last_activity = None;

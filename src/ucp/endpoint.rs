@@ -176,37 +176,21 @@ impl Endpoint {
                 SendPayload::Spans(spans) => spans.iter().map(|s| s.len()).sum(),
                 SendPayload::Owned(bytes) => bytes.len(),
             };
-        let payload = if len <= IMMEDIATE_MAX {
-            match self.send_immediate(id, header, payload) {
-                Ok(state) => return Ok(state),
-                Err(Ok(payload)) => payload,
-                Err(Err(e)) => return Err(e),
+        if len <= IMMEDIATE_MAX {
+            if let Some(done_now) = self.send_immediate(id, header, &payload) {
+                return done_now;
             }
-        } else {
-            payload
-        };
+        }
         let mut req = self.worker.take_send_buffer(locked);
-        req.header.extend_from_slice(header);
+        let r = &mut *req;
+        r.header.extend_from_slice(header);
         match payload {
             SendPayload::None => {}
-            SendPayload::Spans(spans) => req.iov.extend(
-                spans
-                    .iter()
-                    .filter(|s| !s.is_empty())
-                    .map(|s| sys::ucp_dt_iov_t {
-                        buffer: s.as_ptr() as *mut c_void,
-                        length: s.len(),
-                    }),
-            ),
+            SendPayload::Spans(spans) => r.iov.extend(spans_iov(&spans)),
             SendPayload::Owned(bytes) => {
-                req.owned = bytes;
-                if !req.owned.is_empty() {
-                    // The bytes live in the (boxed) buffer now: point at them there.
-                    req.iov.push(sys::ucp_dt_iov_t {
-                        buffer: req.owned.as_ptr() as *mut c_void,
-                        length: req.owned.len(),
-                    });
-                }
+                // The bytes live in the (boxed) buffer now: point at them there.
+                r.owned = bytes;
+                r.iov.extend(bytes_iov(&r.owned));
             }
         }
         let param = sys::ucp_request_param_t {
@@ -254,31 +238,17 @@ impl Endpoint {
 
 impl Endpoint {
     /// A send UCX can finish inside the call (its short protocol) needs nothing kept alive:
-    /// try that first for small messages. Gives the payload back when UCX could not.
+    /// try that first for small messages. None when UCX could not (then nothing was sent).
     fn send_immediate(
         &self,
         id: u32,
         header: &[u8],
-        payload: SendPayload,
-    ) -> Result<SendState, Result<SendPayload, Error>> {
-        let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match &payload {
+        payload: &SendPayload,
+    ) -> Option<Result<SendState, Error>> {
+        let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match payload {
             SendPayload::None => SmallVec::new(),
-            SendPayload::Spans(spans) => spans
-                .iter()
-                .filter(|s| !s.is_empty())
-                .map(|s| sys::ucp_dt_iov_t {
-                    buffer: s.as_ptr() as *mut c_void,
-                    length: s.len(),
-                })
-                .collect(),
-            SendPayload::Owned(bytes) if bytes.is_empty() => SmallVec::new(),
-            SendPayload::Owned(bytes) => SmallVec::from_elem(
-                sys::ucp_dt_iov_t {
-                    buffer: bytes.as_ptr() as *mut c_void,
-                    length: bytes.len(),
-                },
-                1,
-            ),
+            SendPayload::Spans(spans) => spans_iov(spans).collect(),
+            SendPayload::Owned(bytes) => bytes_iov(bytes).into_iter().collect(),
         };
         let (datatype, buf, count) = buffer_of(&iov);
         let immediate = sys::ucp_request_param_t {
@@ -302,15 +272,34 @@ impl Endpoint {
             )
         };
         if ret.is_null() {
-            Ok(SendState::Done)
+            Some(Ok(SendState::Done))
         } else if ucs::ptr_is_err(ret)
             && ucs::ptr_status(ret) != sys::ucs_status_t::UCS_ERR_NO_RESOURCE
         {
-            Err(Err(Error::from_status(ucs::ptr_status(ret))))
+            Some(Err(Error::from_status(ucs::ptr_status(ret))))
         } else {
-            Err(Ok(payload))
+            None
         }
     }
+}
+
+/// The IOV entries of a payload's non-empty spans.
+fn spans_iov(spans: &[AppSpan]) -> impl Iterator<Item = sys::ucp_dt_iov_t> + '_ {
+    spans
+        .iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| sys::ucp_dt_iov_t {
+            buffer: s.as_ptr() as *mut c_void,
+            length: s.len(),
+        })
+}
+
+/// The IOV entry of owned bytes (none when empty).
+fn bytes_iov(bytes: &[u8]) -> Option<sys::ucp_dt_iov_t> {
+    (!bytes.is_empty()).then(|| sys::ucp_dt_iov_t {
+        buffer: bytes.as_ptr() as *mut c_void,
+        length: bytes.len(),
+    })
 }
 
 /// Messages up to this size (header included) are first tried with UCX's short protocol,

@@ -43,20 +43,26 @@ impl QueuePair {
             }
             return Ok(());
         }
-        let mut messages: SmallVec<[DataMessage; 4]> = SmallVec::new();
+        // Most lists hold one WR: its message is kept apart from the rest (no vector).
+        let mut first: Option<DataMessage> = None;
+        let mut rest: Vec<DataMessage> = Vec::new();
         let mut keys = KeyCache::default();
         let posted = self.locked_then_send(locked, |q| {
             for (i, req) in requests.into_iter().enumerate() {
                 let message = req
                     .and_then(|r| self.post_send_locked(q, r, None, &mut keys))
                     .map_err(|e| (i, e))?;
-                messages.extend(message);
+                match (message, &first) {
+                    (Some(m), None) => first = Some(m),
+                    (Some(m), Some(_)) => rest.push(m),
+                    (None, _) => {}
+                }
             }
             Ok(())
         });
         // The messages themselves are sent straight from here (the hot path), the queue lock
         // released; anything else the posts queued went through the outbox.
-        for m in messages {
+        for m in first.into_iter().chain(rest) {
             if !self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq)) {
                 break; // the QP failed: what follows was flushed
             }
