@@ -1,6 +1,6 @@
 //! What `ugdr info` prints: the device, its port, and the UCX transports in use.
 
-use crate::engine::Engine;
+use crate::engine::{Engine, ProgressMode};
 use crate::fake_verbs::device::{self, DeviceAttributes};
 use std::fmt::Write;
 
@@ -57,6 +57,18 @@ pub fn describe(engine: &Engine) -> String {
         }
     };
     let _ = writeln!(out, "direct path:   {direct}");
+    let progress = match engine.progress_mode {
+        ProgressMode::Event => {
+            "event (UGDR_PROGRESS): the progress thread sleeps on UCX's event fd between messages"
+        }
+        ProgressMode::Adaptive => {
+            "adaptive (UGDR_PROGRESS): the progress thread keeps polling for a short window after activity, then sleeps on UCX's event fd"
+        }
+        ProgressMode::Busy => {
+            "busy (UGDR_PROGRESS): the progress thread polls without sleeping (one core per process)"
+        }
+    };
+    let _ = writeln!(out, "progress:      {progress}");
     let _ = writeln!(
         out,
         "ucx:           {}",

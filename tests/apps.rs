@@ -293,6 +293,19 @@ fn ugdr_info_shows_the_port() {
         "{}",
         text(&out)
     );
+    assert!(
+        s.contains("progress:      adaptive (UGDR_PROGRESS)"),
+        "{}",
+        text(&out)
+    );
+    let mut busy = std::process::Command::new(ugdr_bin());
+    busy.arg("info").env("UGDR_PROGRESS", "busy");
+    let out = run(busy, "ugdr info (busy progress)", Duration::from_secs(30));
+    assert!(
+        stdout(&out).contains("progress:      busy (UGDR_PROGRESS)"),
+        "{}",
+        text(&out)
+    );
     let mut off = std::process::Command::new(ugdr_bin());
     off.arg("info")
         .env("UGDR_DIRECT", "off")
@@ -304,6 +317,57 @@ fn ugdr_info_shows_the_port() {
         "{}",
         text(&out)
     );
+}
+
+/// Clock ticks of CPU (user + system) process `pid` has used, from `/proc/<pid>/stat`.
+fn cpu_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
+    // Fields after the command name (which may hold spaces): state is field 3, utime 14.
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// An idle process (a pingpong server waiting for its client, its device open) spends no CPU
+/// in the `event` and `adaptive` progress modes (the adaptive window is bounded), and a core
+/// in `busy`; the mode in effect is the one UGDR_PROGRESS names.
+#[test]
+fn progress_modes_idle_cpu() {
+    let idle = Duration::from_secs(2);
+    for (mode, burns) in [("event", false), ("adaptive", false), ("busy", true)] {
+        let port = free_port();
+        let mut c = preloaded("ibv_rc_pingpong", &["-p", &port.to_string()]);
+        c.env("UGDR_PROGRESS", mode).env("UGDR_LOG", "debug");
+        let mut server = Guarded::spawn(c, &format!("ibv_rc_pingpong server ({mode})"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !listening_here(port) {
+            server.assert_running();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{mode}: server never listened"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let before = cpu_ticks(server.pid());
+        std::thread::sleep(idle);
+        let used = cpu_ticks(server.pid()) - before;
+        let out = server
+            .wait_until(std::time::Instant::now())
+            .unwrap_or_else(|o| o);
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(&format!("progress {mode}")),
+            "{mode}: the engine did not report the mode\n{}",
+            text(&out)
+        );
+        // Ticks are 10 ms. Idle: the progress thread's 100 ms poll timeout and the peer
+        // checks, well under 40 ms in 2 s. Busy: a spinning thread gets at least its share of
+        // a loaded 2-core machine (load 20: 200 ms in 2 s).
+        if burns {
+            assert!(used >= 10, "{mode}: only {used} ticks in {idle:?}");
+        } else {
+            assert!(used <= 4, "{mode}: {used} ticks in {idle:?} while idle");
+        }
+    }
 }
 
 #[test]

@@ -356,11 +356,14 @@ pub fn run_pingpong(
     port: u16,
     timeout: Duration,
 ) -> (Output, Output) {
-    run_server_client(server, client, port, timeout, |p| {
-        let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
-            + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-        listening(p, &tcp)
-    })
+    run_server_client(server, client, port, timeout, listening_here)
+}
+
+/// Whether `port` listens on this host (in this test's network namespace).
+pub fn listening_here(port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
+        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    listening(port, &tcp)
 }
 
 /// Server and client arguments of an ibverbs-utils pingpong: `-p port opts` and the same

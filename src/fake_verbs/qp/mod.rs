@@ -136,7 +136,9 @@ impl QueuePair {
                     header,
                     payload,
                     data_seq,
-                } => self.start_send(locked, &endpoint, &header, payload, data_seq),
+                } => {
+                    self.start_send(locked, &endpoint, &header, payload, data_seq);
+                }
                 Deferred::Release(data) => locked.release(data),
                 Deferred::Receive {
                     data,
