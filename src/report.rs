@@ -57,13 +57,14 @@ pub fn describe(engine: &Engine) -> String {
         }
     };
     let _ = writeln!(out, "direct path:   {direct}");
-    let progress = match engine.progress_mode {
+    let progress = match engine.progress.mode {
         ProgressMode::Event => {
             "event (UGDR_PROGRESS): the progress thread sleeps on UCX's event fd between messages"
         }
-        ProgressMode::Adaptive => {
-            "adaptive (UGDR_PROGRESS): the progress thread keeps polling for a short window after activity, then sleeps on UCX's event fd"
-        }
+        ProgressMode::Adaptive => &format!(
+            "adaptive (UGDR_PROGRESS): the progress thread keeps polling for {} µs after activity (UGDR_PROGRESS_SPIN_US), then sleeps on UCX's event fd",
+            engine.progress.spin.as_micros()
+        ),
         ProgressMode::Busy => {
             "busy (UGDR_PROGRESS): the progress thread polls without sleeping (one core per process)"
         }

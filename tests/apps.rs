@@ -370,6 +370,55 @@ fn progress_modes_idle_cpu() {
     }
 }
 
+/// A UGDR_PROGRESS or UGDR_PROGRESS_SPIN_US that ugdr does not know is refused (README): the
+/// device does not open, and the reason is printed even with logging off.
+#[test]
+fn unknown_progress_settings_are_refused() {
+    for (var, value, says) in [
+        (
+            "UGDR_PROGRESS",
+            "poll",
+            "UGDR_PROGRESS=\"poll\" is not one of event, adaptive, busy",
+        ),
+        (
+            "UGDR_PROGRESS_SPIN_US",
+            "5ms",
+            "UGDR_PROGRESS_SPIN_US=\"5ms\" is not a whole number of microseconds",
+        ),
+    ] {
+        let mut c = std::process::Command::new(ugdr_bin());
+        c.arg("info").env(var, value);
+        let out = run(c, "ugdr info (bad setting)", Duration::from_secs(30));
+        assert!(!out.status.success(), "{var}={value}: {}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(says),
+            "{var}={value}: {}",
+            text(&out)
+        );
+        // A real program: its device does not open.
+        let mut p = preloaded("ibv_devinfo", &[]);
+        p.env(var, value);
+        let out = run(p, "ibv_devinfo (bad setting)", Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says) && err.contains("ugdr0 does not open"),
+            "{var}={value}: {}",
+            text(&out)
+        );
+    }
+}
+
+/// ibv_rc_pingpong with its data check, SENDs and completion events, both sides under each
+/// UGDR_PROGRESS mode.
+#[test]
+fn rc_pingpong_under_each_progress_mode() {
+    for mode in ["event", "adaptive", "busy"] {
+        for opts in [&["-c", "-n", "2000"][..], &["-e", "-c", "-n", "500"][..]] {
+            pingpong_with_env("ibv_rc_pingpong", opts, &[("UGDR_PROGRESS", mode)], 90);
+        }
+    }
+}
+
 #[test]
 fn srq_pingpong_validated() {
     pingpong("ibv_srq_pingpong", &["-c"], 60);

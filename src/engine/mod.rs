@@ -31,7 +31,7 @@ pub mod wire;
 
 pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, arm_timer, owe_ack};
 pub use error::EngineError;
-pub use progress::ProgressMode;
+pub use progress::{ProgressConfig, ProgressMode};
 
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
 use address::{Directory, HostNetwork, LidClaim, Resolved};
@@ -59,8 +59,8 @@ pub struct Engine {
     pub memory: Option<direct::LocalMemory>,
     pub query_service: Result<u16, String>,
     stopping: Arc<AtomicBool>,
-    /// How the progress thread waits for work (`UGDR_PROGRESS`).
-    pub progress_mode: ProgressMode,
+    /// How the progress thread waits for work (`UGDR_PROGRESS`, `UGDR_PROGRESS_SPIN_US`).
+    pub progress: ProgressConfig,
     /// What the application's threads tell the progress thread (polls, posts).
     activity: Arc<progress::Activity>,
     progress_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -108,6 +108,11 @@ impl Engine {
     }
 
     fn start() -> Result<Engine, EngineError> {
+        let progress = ProgressConfig::from_env().map_err(|e| {
+            // Said even with logging off: the device does not open, and this is why.
+            eprintln!("ugdr: {e}; ugdr0 does not open");
+            EngineError::Config(e)
+        })?;
         let context = ucp::Context::new()?;
         let worker = Worker::new(context)?;
         worker.set_am_handler(wire::AM_ID, Box::new(dispatch))?;
@@ -142,10 +147,9 @@ impl Engine {
         let stop = Arc::clone(&stopping);
         let activity = Arc::new(progress::Activity::default());
         let seen = Arc::clone(&activity);
-        let progress_mode = ProgressMode::from_env();
         let progress_thread = std::thread::Builder::new()
             .name("ugdr-progress".into())
-            .spawn(move || progress::run(&progress_worker, &stop, &seen, progress_mode))
+            .spawn(move || progress::run(&progress_worker, &stop, &seen, progress))
             .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         let memory = if direct::enabled() {
             direct::LocalMemory::new(lid)
@@ -158,7 +162,7 @@ impl Engine {
             "engine up: lid {lid:#06x} ip {} address {} bytes, progress {}",
             network.ipv4,
             address.len(),
-            progress_mode.name()
+            progress.mode.name()
         );
         Ok(Engine {
             worker,
@@ -174,7 +178,7 @@ impl Engine {
             memory,
             query_service,
             stopping,
-            progress_mode,
+            progress,
             activity,
             progress_thread: Mutex::new(Some(progress_thread)),
         })

@@ -31,25 +31,45 @@ pub enum ProgressMode {
     Busy,
 }
 
-impl ProgressMode {
-    /// `UGDR_PROGRESS` (`event`, `adaptive`, `busy`); anything else is the default, with a
-    /// warning.
-    pub fn from_env() -> ProgressMode {
-        match std::env::var("UGDR_PROGRESS") {
-            Err(_) => ProgressMode::Adaptive,
-            Ok(v) => ProgressMode::parse(&v).unwrap_or_else(|| {
-                tracing::warn!(
-                    "UGDR_PROGRESS={v:?} is not event, adaptive or busy; using adaptive"
-                );
-                ProgressMode::Adaptive
-            }),
-        }
-    }
+/// How the progress thread runs: the mode and the adaptive window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgressConfig {
+    pub mode: ProgressMode,
+    /// How long the adaptive progress thread keeps polling after the last activity.
+    pub spin: Duration,
+}
 
+impl ProgressConfig {
+    /// `UGDR_PROGRESS` (`event`, `adaptive`, `busy`; unset: adaptive) and
+    /// `UGDR_PROGRESS_SPIN_US` (a whole number of µs; unset: [`DEFAULT_SPIN`]). Any other
+    /// value is refused: the engine does not start (a benchmark run under a mistyped mode
+    /// would measure something else than it says).
+    pub fn from_env() -> Result<ProgressConfig, String> {
+        let mode = match std::env::var("UGDR_PROGRESS") {
+            Err(_) => ProgressMode::Adaptive,
+            Ok(v) => ProgressMode::parse(&v).ok_or_else(|| {
+                format!("UGDR_PROGRESS={v:?} is not one of event, adaptive, busy")
+            })?,
+        };
+        let spin = match std::env::var("UGDR_PROGRESS_SPIN_US") {
+            Err(_) => DEFAULT_SPIN,
+            Ok(v) => v
+                .trim()
+                .parse::<u64>()
+                .map(Duration::from_micros)
+                .map_err(|_| {
+                    format!("UGDR_PROGRESS_SPIN_US={v:?} is not a whole number of microseconds")
+                })?,
+        };
+        Ok(ProgressConfig { mode, spin })
+    }
+}
+
+impl ProgressMode {
     pub fn parse(v: &str) -> Option<ProgressMode> {
         match v.trim().to_ascii_lowercase().as_str() {
             "event" => Some(ProgressMode::Event),
-            "adaptive" | "" => Some(ProgressMode::Adaptive),
+            "adaptive" => Some(ProgressMode::Adaptive),
             "busy" => Some(ProgressMode::Busy),
             _ => None,
         }
@@ -69,14 +89,6 @@ impl ProgressMode {
 /// that ping-pong traffic never finds it asleep; short enough that a process that goes idle
 /// stops spending CPU at once (measured in the README's table of modes).
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
-
-/// `UGDR_PROGRESS_SPIN_US`: the adaptive window in µs (0 behaves as `event`).
-fn spin_window() -> Duration {
-    std::env::var("UGDR_PROGRESS_SPIN_US")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(DEFAULT_SPIN, Duration::from_micros)
-}
 
 /// How long the progress thread steps aside while the application busy-polls, and how many
 /// empty polls in that time count as busy-polling (a spinning application polls thousands of
@@ -198,9 +210,15 @@ fn pause(mode: ProgressMode) {
 }
 
 /// The progress thread's body: runs until `stopping`.
-pub(super) fn run(worker: &Worker, stopping: &AtomicBool, activity: &Activity, mode: ProgressMode) {
+pub(super) fn run(
+    worker: &Worker,
+    stopping: &AtomicBool,
+    activity: &Activity,
+    config: ProgressConfig,
+) {
+    let mode = config.mode;
     let spin = match mode {
-        ProgressMode::Adaptive => spin_window(),
+        ProgressMode::Adaptive => config.spin,
         ProgressMode::Event => Duration::ZERO,
         ProgressMode::Busy => Duration::MAX,
     };
@@ -321,5 +339,6 @@ mod tests {
         }
         assert_eq!(ProgressMode::parse(" BUSY "), Some(ProgressMode::Busy));
         assert_eq!(ProgressMode::parse("poll"), None);
+        assert_eq!(ProgressMode::parse(""), None);
     }
 }
