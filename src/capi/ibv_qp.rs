@@ -12,7 +12,9 @@ use crate::fake_verbs::qp::{
     AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps, QueuePair,
 };
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
-use crate::fake_verbs::work::{RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination};
+use crate::fake_verbs::work::{
+    InlineData, RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination,
+};
 use crate::sys::*;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_void};
@@ -606,12 +608,16 @@ pub(crate) unsafe fn read_sges<S: AppSge>(
     Ok(out)
 }
 
-/// Copies the bytes of inline SGEs (their lkeys are not used: rdma_post_send passes 0).
-fn inline_bytes(sges: &[Sge]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+/// Copies the bytes of inline SGEs (their lkeys are not used: rdma_post_send passes 0), in
+/// place when they are few.
+///
+/// # Safety
+/// Every SGE names application bytes readable during the call.
+pub(crate) unsafe fn inline_bytes(sges: &[Sge]) -> InlineData {
+    let mut out = InlineData::new();
     for s in sges {
         if s.length > 0 {
-            // SAFETY: the application's inline buffer, valid during the post call.
+            // SAFETY: the caller's contract.
             out.extend_from_slice(unsafe {
                 std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
             });
@@ -655,7 +661,8 @@ unsafe fn send_request(
         if sges.iter().map(|s| u64::from(s.length)).sum::<u64>() > u64::from(caps.max_inline_data) {
             return Err(VerbsError::Invalid("inline data above max_inline_data"));
         }
-        Some(inline_bytes(&sges))
+        // SAFETY: an inline WR's SGEs name the application's bytes, valid during the post.
+        Some(unsafe { inline_bytes(&sges) })
     } else {
         None
     };
@@ -738,24 +745,54 @@ pub(crate) unsafe extern "C" fn post_send(
         };
         let qp_obj = &shell.inner;
         let locked = engine.worker.lock();
+        engine.note_post();
         let mut cur = wr;
-        while !cur.is_null() {
-            // SAFETY: `cur` walks the application's NULL-terminated WR list.
-            let result = unsafe { send_request(cur, &qp_obj.caps, qp_obj.qp_type) }
-                .and_then(|req| qp_obj.post_send(&locked, req));
-            if let Err(e) = result {
-                tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
-                if !bad_wr.is_null() {
-                    // SAFETY: the caller's out-parameter.
-                    unsafe { *bad_wr = cur };
-                }
-                return e.errno();
+        let requests = std::iter::from_fn(|| {
+            if cur.is_null() {
+                return None;
             }
+            // SAFETY: `cur` walks the application's NULL-terminated WR list.
+            let req = unsafe { send_request(cur, &qp_obj.caps, qp_obj.qp_type) };
             // SAFETY: as above.
             cur = unsafe { (*cur).next };
+            Some(req)
+        });
+        match qp_obj.post_send_list(&locked, requests) {
+            Ok(()) => 0,
+            Err((index, e)) => {
+                tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
+                if !bad_wr.is_null() {
+                    // SAFETY: the list holds at least `index + 1` WRs (the failing one was read);
+                    // `bad_wr` is the caller's out-parameter.
+                    unsafe { *bad_wr = nth_wr(wr, index) };
+                }
+                e.errno()
+            }
         }
-        0
     })
+}
+
+/// The `index`th WR of a NULL-terminated WR list (`ibv_send_wr` or `ugdr_send_wr`).
+///
+/// # Safety
+/// The list holds more than `index` WRs.
+pub(crate) unsafe fn nth_wr<W: WrList>(mut wr: *mut W, index: usize) -> *mut W {
+    for _ in 0..index {
+        // SAFETY: the caller's contract.
+        wr = unsafe { (*wr).next_wr() };
+    }
+    wr
+}
+
+/// A C work request that links to the next one of its list.
+pub(crate) trait WrList {
+    fn next_wr(&self) -> *mut Self;
+}
+
+impl WrList for ibv_send_wr {
+    fn next_wr(&self) -> *mut Self {
+        self.next
+    }
 }
 
 /// `ibv_context_ops.post_recv`, with the same list semantics as `post_send`.
@@ -977,10 +1014,10 @@ unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, l
             return;
         }
         let data = if length == 0 {
-            Vec::new()
+            InlineData::new()
         } else {
             // SAFETY: the application's inline buffer, valid during this call.
-            unsafe { std::slice::from_raw_parts(addr as *const u8, length) }.to_vec()
+            InlineData::from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, length) })
         };
         with_last(b, |r| r.inline_data = Some(data));
     })
@@ -1006,7 +1043,7 @@ unsafe extern "C" fn wr_set_inline_data_list(
             b.error.get_or_insert(libc::EINVAL);
             return;
         }
-        let mut data = Vec::new();
+        let mut data = InlineData::new();
         for i in 0..num_buf {
             // SAFETY: the caller's array of `num_buf` buffers (within the limit checked above).
             let buf = unsafe { &*buf_list.add(i) };
@@ -1037,12 +1074,14 @@ unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
             return libc::EINVAL;
         };
         let locked = engine.worker.lock();
-        for req in requests {
-            if let Err(e) = shell.inner.post_send(&locked, req) {
-                return e.errno();
-            }
+        engine.note_post();
+        match shell
+            .inner
+            .post_send_list(&locked, requests.into_iter().map(Ok))
+        {
+            Ok(()) => 0,
+            Err((_, e)) => e.errno(),
         }
-        0
     })
 }
 

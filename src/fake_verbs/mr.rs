@@ -537,12 +537,38 @@ pub fn local_spans(
     sges: &[Sge],
     need_write: bool,
 ) -> Option<SmallVec<[AppSpan; 4]>> {
+    local_spans_cached(pd, sges, need_write, &mut KeyCache::default())
+}
+
+/// The MR an lkey named last, while one WR list is posted: the SGEs of a list mostly name
+/// the same MR, so it is looked up once per list instead of once per SGE.
+#[derive(Default)]
+pub struct KeyCache {
+    last: Option<Arc<Registration>>,
+}
+
+impl KeyCache {
+    fn by_lkey(&mut self, lkey: u32) -> Option<&Arc<Registration>> {
+        if self.last.as_ref().is_none_or(|mr| mr.lkey != lkey) {
+            self.last = Some(BY_LKEY.get(&lkey).map(|r| Arc::clone(r.value()))?);
+        }
+        self.last.as_ref()
+    }
+}
+
+/// [`local_spans`], looking lkeys up through `cache`.
+pub fn local_spans_cached(
+    pd: &Arc<ProtectionDomain>,
+    sges: &[Sge],
+    need_write: bool,
+    cache: &mut KeyCache,
+) -> Option<SmallVec<[AppSpan; 4]>> {
     let mut spans = SmallVec::new();
     for sge in sges {
         if sge.length == 0 {
             continue;
         }
-        let mr = BY_LKEY.get(&sge.lkey).map(|r| Arc::clone(r.value()))?;
+        let mr = cache.by_lkey(sge.lkey)?;
         if !Arc::ptr_eq(&mr.pd, pd) || !mr.region.is_live() {
             return None;
         }

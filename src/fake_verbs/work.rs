@@ -16,6 +16,9 @@ pub struct Sge {
 
 pub type SgeList = SmallVec<[Sge; 4]>;
 
+/// The bytes of an IBV_SEND_INLINE request (small ones without a heap allocation).
+pub type InlineData = crate::ucp::OwnedBytes;
+
 /// `enum ibv_wr_opcode`, the ones ugdr carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SendOpcode {
@@ -73,7 +76,7 @@ pub struct SendRequest {
     pub opcode: SendOpcode,
     pub sges: SgeList,
     /// The bytes of an IBV_SEND_INLINE request, copied at post time.
-    pub inline_data: Option<Vec<u8>>,
+    pub inline_data: Option<InlineData>,
     /// imm_data exactly as the application stored it (network byte order).
     pub imm_data: u32,
     pub signaled: bool,

@@ -144,7 +144,9 @@ impl QueuePair {
                     header,
                     payload,
                     data_seq,
-                } => self.start_send(locked, &endpoint, &header, payload, data_seq),
+                } => {
+                    self.start_send(locked, &endpoint, &header, payload, data_seq);
+                }
                 Deferred::Release(data) => locked.release(data),
                 Deferred::Receive {
                     data,

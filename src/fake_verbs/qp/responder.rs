@@ -349,7 +349,7 @@ impl QueuePair {
                 let Some(old) = old else { return };
                 (
                     Op::AtomicResponse,
-                    SendPayload::Owned(old.to_le_bytes().to_vec()),
+                    SendPayload::Owned(old.to_le_bytes().as_slice().into()),
                 )
             }
         };
