@@ -20,6 +20,7 @@ mod attributes;
 mod completer;
 mod queues;
 mod receive;
+mod resolve;
 mod requester;
 mod responder;
 mod timer;
