@@ -315,13 +315,10 @@ impl Conn {
         while let Ok(Some(_)) = self.comp.events.try_wait() {}
         loop {
             let mut batch: Vec<WorkCompletion> = Vec::new();
-            let mut n = self.cq.poll(64, |wc| batch.push(*wc));
-            if n == 0
-                && let Some(engine) = Engine::running()
-            {
-                engine.progress_from_app();
-                n = self.cq.poll(64, |wc| batch.push(*wc));
-            }
+            // The engine's progress thread delivers; this thread does not progress the
+            // worker itself (the progress thread would step aside for it, and a thread
+            // that then blocks on the CQ's channel would wait for nobody).
+            let n = self.cq.poll(64, |wc| batch.push(*wc));
             for wc in &batch {
                 self.complete(wc);
             }
