@@ -261,27 +261,27 @@ unsafe fn recv_into(name: &str, socket: c_int, buf: *mut c_void, len: usize, fla
         return fail(RsError::Os(libc::EFAULT));
     }
     let peek = flags & libc::MSG_PEEK != 0;
+    let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let waitall = flags & libc::MSG_WAITALL != 0 && !peek;
     let (ptr, mut done) = (buf as usize, 0usize);
     let rs = Rsocket::Stream(std::sync::Arc::clone(&s));
-    run(name, &rs, flags & libc::MSG_DONTWAIT != 0, move || {
+    run(name, &rs, dontwait, move || {
         // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
         let out = unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(done), len - done) };
         match s.recv(out, peek) {
             Ok(0) => Ok(done as isize),
             Ok(n) => {
                 done += n;
-                if waitall && done < len {
+                if waitall && done < len && !dontwait && !s.is_nonblocking() {
                     // Like a socket: keep waiting for the rest.
-                    return Err(match s.recv(&mut [], true) {
-                        Err(RsError::Wait(w)) => RsError::Wait(w),
-                        _ => RsError::Wait(Wait::on(&[], 0)),
-                    });
+                    return Err(RsError::Wait(s.current_wait()));
                 }
                 Ok(done as isize)
             }
-            Err(RsError::Wait(_)) if done > 0 && s.is_nonblocking() => Ok(done as isize),
-            Err(e) if done > 0 && !matches!(e, RsError::Wait(_)) => Ok(done as isize),
+            Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
+                Err(RsError::Wait(w))
+            }
+            Err(_) if done > 0 => Ok(done as isize),
             Err(e) => Err(e),
         }
     })
@@ -301,12 +301,27 @@ unsafe fn send_from(name: &str, socket: c_int, buf: *const c_void, len: usize, f
     if len > 0 && buf.is_null() {
         return fail(RsError::Os(libc::EFAULT));
     }
-    let ptr = buf as usize;
+    let (ptr, mut done) = (buf as usize, 0usize);
+    let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let rs = Rsocket::Stream(std::sync::Arc::clone(&s));
-    run(name, &rs, flags & libc::MSG_DONTWAIT != 0, move || {
-        // SAFETY: the caller's buffer of `len` bytes.
-        let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        s.send(data).map(|n| n as isize)
+    run(name, &rs, dontwait, move || {
+        // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
+        let data = unsafe { std::slice::from_raw_parts((ptr as *const u8).add(done), len - done) };
+        match s.send(data) {
+            Ok(n) => {
+                done += n;
+                if done < len && !dontwait && !s.is_nonblocking() {
+                    // A blocking socket sends everything before it returns.
+                    return Err(RsError::Wait(s.current_wait()));
+                }
+                Ok(done as isize)
+            }
+            Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
+                Err(RsError::Wait(w))
+            }
+            Err(_) if done > 0 => Ok(done as isize),
+            Err(e) => Err(e),
+        }
     })
 }
 

@@ -181,6 +181,12 @@ impl Stream {
         }
     }
 
+    /// What a call that must go on waiting (a blocking send of the rest) waits on.
+    pub fn current_wait(&self) -> Wait {
+        let st = self.state();
+        self.wait(&st)
+    }
+
     fn would_block(&self, st: &State) -> RsError {
         RsError::Wait(self.wait(st))
     }
