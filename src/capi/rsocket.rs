@@ -39,7 +39,11 @@ minus_one!(c_int => -1, isize => -1, i64 => -1, usize => usize::MAX);
 const _: () = assert!(std::mem::size_of::<off_t>() == std::mem::size_of::<i64>());
 
 fn fail<T: MinusOne>(e: RsError) -> T {
-    tracing::debug!("rsocket: {e:?}");
+    match e {
+        // A non-blocking caller will spin on EAGAIN: let the engine's progress thread run.
+        RsError::Wait(_) | RsError::Again => std::thread::yield_now(),
+        RsError::Os(errno) => tracing::debug!("rsocket: errno {errno}"),
+    }
     T::minus_one(e.errno())
 }
 
@@ -739,6 +743,8 @@ pub unsafe extern "C-unwind" fn rpoll(fds: *mut pollfd, nfds: nfds_t, timeout: c
         };
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()).as_millis() as c_int);
         if left == Some(0) {
+            // A caller polling with timeout 0 spins: let the engine's progress thread run.
+            std::thread::yield_now();
             return 0;
         }
         let t = match (left, rs_timeout) {
