@@ -216,10 +216,7 @@ fn every_function_of_the_system_verbs_libraries_is_exported_or_a_named_exception
     }
     for name in rsockets {
         assert!(cm.contains_key(*name), "{name} is not librdmacm's");
-        assert!(
-            ours.contains(*name),
-            "{name} ({why}) must be exported"
-        );
+        assert!(ours.contains(*name), "{name} ({why}) must be exported");
     }
 }
 

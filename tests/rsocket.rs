@@ -118,11 +118,17 @@ fn rcopy(ns: Option<&NetnsPair>) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let up = || match ns {
         Some(n) => n.listening(&n.a, port),
-        None => listening(port, &std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()),
+        None => listening(
+            port,
+            &std::fs::read_to_string("/proc/net/tcp").unwrap_or_default(),
+        ),
     };
     while !up() {
         server.assert_running();
-        assert!(std::time::Instant::now() < deadline, "rcopy server never listened");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rcopy server never listened"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let co = run(client_cmd, "rcopy client", Duration::from_secs(60));

@@ -184,7 +184,13 @@ pub unsafe extern "C-unwind" fn raccept(
         let child = listener.accept()?;
         if let Ok(peer) = child.peer_addr() {
             // SAFETY: the caller's out-parameters (or NULL).
-            unsafe { write_addr(peer, addr_out.0 as *mut sockaddr, addr_out.1 as *mut socklen_t) };
+            unsafe {
+                write_addr(
+                    peer,
+                    addr_out.0 as *mut sockaddr,
+                    addr_out.1 as *mut socklen_t,
+                )
+            };
         }
         Ok(child.fd())
     })
@@ -254,7 +260,13 @@ pub unsafe extern "C" fn rclose(socket: c_int) -> c_int {
 ///
 /// # Safety
 /// `buf` is valid for `len` bytes of writes (or `len` is 0).
-unsafe fn recv_into(name: &str, socket: c_int, buf: *mut c_void, len: usize, flags: c_int) -> isize {
+unsafe fn recv_into(
+    name: &str,
+    socket: c_int,
+    buf: *mut c_void,
+    len: usize,
+    flags: c_int,
+) -> isize {
     let s = match ffi_boundary!(name, on_panic = Err(RsError::Os(libc::EIO)), {
         stream(socket)
     }) {
@@ -295,7 +307,13 @@ unsafe fn recv_into(name: &str, socket: c_int, buf: *mut c_void, len: usize, fla
 ///
 /// # Safety
 /// `buf` is valid for `len` bytes of reads (or `len` is 0).
-unsafe fn send_from(name: &str, socket: c_int, buf: *const c_void, len: usize, flags: c_int) -> isize {
+unsafe fn send_from(
+    name: &str,
+    socket: c_int,
+    buf: *const c_void,
+    len: usize,
+    flags: c_int,
+) -> isize {
     let s = match ffi_boundary!(name, on_panic = Err(RsError::Os(libc::EIO)), {
         stream(socket)
     }) {
@@ -355,7 +373,13 @@ unsafe fn gather_iov(iov: *const iovec, iovcnt: c_int) -> Result<Vec<u8>, RsErro
 ///
 /// # Safety
 /// As [`gather_iov`], for writes.
-unsafe fn recv_iov(name: &str, socket: c_int, iov: *const iovec, iovcnt: c_int, flags: c_int) -> isize {
+unsafe fn recv_iov(
+    name: &str,
+    socket: c_int,
+    iov: *const iovec,
+    iovcnt: c_int,
+    flags: c_int,
+) -> isize {
     if iovcnt < 0 || (iovcnt > 0 && iov.is_null()) || iovcnt > libc::UIO_MAXIOV {
         return fail(RsError::Os(libc::EINVAL));
     }
@@ -371,7 +395,9 @@ unsafe fn recv_iov(name: &str, socket: c_int, iov: *const iovec, iovcnt: c_int, 
             let k = v.iov_len.min(n as usize - off);
             if k > 0 {
                 // SAFETY: each iovec names `iov_len` writable bytes.
-                unsafe { std::ptr::copy_nonoverlapping(tmp.as_ptr().add(off), v.iov_base.cast(), k) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr().add(off), v.iov_base.cast(), k)
+                };
             }
             off += k;
         }
@@ -380,7 +406,12 @@ unsafe fn recv_iov(name: &str, socket: c_int, iov: *const iovec, iovcnt: c_int, 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C-unwind" fn rrecv(socket: c_int, buf: *mut c_void, len: usize, flags: c_int) -> isize {
+pub unsafe extern "C-unwind" fn rrecv(
+    socket: c_int,
+    buf: *mut c_void,
+    len: usize,
+    flags: c_int,
+) -> isize {
     // SAFETY: the caller's buffer.
     unsafe { recv_into("rrecv", socket, buf, len, flags) }
 }
@@ -431,7 +462,12 @@ pub unsafe extern "C-unwind" fn rreadv(socket: c_int, iov: *const iovec, iovcnt:
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C-unwind" fn rsend(socket: c_int, buf: *const c_void, len: usize, flags: c_int) -> isize {
+pub unsafe extern "C-unwind" fn rsend(
+    socket: c_int,
+    buf: *const c_void,
+    len: usize,
+    flags: c_int,
+) -> isize {
     // SAFETY: the caller's buffer.
     unsafe { send_from("rsend", socket, buf, len, flags) }
 }
@@ -486,7 +522,11 @@ pub unsafe extern "C-unwind" fn rwritev(socket: c_int, iov: *const iovec, iovcnt
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rgetpeername(socket: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) -> c_int {
+pub unsafe extern "C" fn rgetpeername(
+    socket: c_int,
+    addr: *mut sockaddr,
+    addrlen: *mut socklen_t,
+) -> c_int {
     ffi_boundary!("rgetpeername", on_panic = c_int::minus_one(libc::EIO), {
         if addr.is_null() || addrlen.is_null() {
             return fail(RsError::Os(libc::EFAULT));
@@ -500,7 +540,11 @@ pub unsafe extern "C" fn rgetpeername(socket: c_int, addr: *mut sockaddr, addrle
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rgetsockname(socket: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) -> c_int {
+pub unsafe extern "C" fn rgetsockname(
+    socket: c_int,
+    addr: *mut sockaddr,
+    addrlen: *mut socklen_t,
+) -> c_int {
     ffi_boundary!("rgetsockname", on_panic = c_int::minus_one(libc::EIO), {
         if addr.is_null() || addrlen.is_null() {
             return fail(RsError::Os(libc::EFAULT));
@@ -584,7 +628,14 @@ pub unsafe extern "C" fn rfcntl(socket: c_int, cmd: c_int, arg: c_int) -> c_int 
             Err(e) => return fail(e),
         };
         match cmd {
-            libc::F_GETFL => libc::O_RDWR | if s.is_nonblocking() { libc::O_NONBLOCK } else { 0 },
+            libc::F_GETFL => {
+                libc::O_RDWR
+                    | if s.is_nonblocking() {
+                        libc::O_NONBLOCK
+                    } else {
+                        0
+                    }
+            }
             libc::F_SETFL => {
                 s.set_nonblocking(arg & libc::O_NONBLOCK != 0);
                 0
@@ -647,11 +698,16 @@ pub unsafe extern "C-unwind" fn riowrite(
     }
     let ptr = buf as usize;
     let rs = Rsocket::Stream(std::sync::Arc::clone(&s));
-    run("riowrite", &rs, flags & libc::MSG_DONTWAIT != 0, move || {
-        // SAFETY: the caller's buffer of `count` bytes.
-        let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, count) };
-        s.iowrite(data, offset as u64)
-    })
+    run(
+        "riowrite",
+        &rs,
+        flags & libc::MSG_DONTWAIT != 0,
+        move || {
+            // SAFETY: the caller's buffer of `count` bytes.
+            let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, count) };
+            s.iowrite(data, offset as u64)
+        },
+    )
 }
 
 /// One round of `rpoll`: rsockets' readiness (after taking what arrived) and plain
@@ -674,13 +730,21 @@ fn poll_round(fds: &mut [pollfd]) -> (c_int, Vec<pollfd>, c_int) {
                     ready += 1;
                 }
                 for &fd in &w.fds[..w.count] {
-                    waits.push(pollfd { fd, events: libc::POLLIN, revents: 0 });
+                    waits.push(pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
                 }
                 if w.timeout_ms >= 0 && (timeout < 0 || w.timeout_ms < timeout) {
                     timeout = w.timeout_ms;
                 }
             }
-            Err(_) => waits.push(pollfd { fd: p.fd, events: p.events, revents: 0 }),
+            Err(_) => waits.push(pollfd {
+                fd: p.fd,
+                events: p.events,
+                revents: 0,
+            }),
         }
     }
     (ready, waits, timeout)
@@ -741,7 +805,8 @@ pub unsafe extern "C-unwind" fn rpoll(fds: *mut pollfd, nfds: nfds_t, timeout: c
             Round::Failed(e) => return c_int::minus_one(e),
             Round::Wait(w, t) => (w, t),
         };
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()).as_millis() as c_int);
+        let left =
+            deadline.map(|d| d.saturating_duration_since(Instant::now()).as_millis() as c_int);
         if left == Some(0) {
             // A caller polling with timeout 0 spins: let the engine's progress thread run.
             std::thread::yield_now();
@@ -784,7 +849,11 @@ pub unsafe extern "C-unwind" fn rselect(
             }
         }
         if events != 0 {
-            pfds.push(pollfd { fd, events, revents: 0 });
+            pfds.push(pollfd {
+                fd,
+                events,
+                revents: 0,
+            });
         }
     }
     let ms = if timeout.is_null() {
@@ -792,7 +861,8 @@ pub unsafe extern "C-unwind" fn rselect(
     } else {
         // SAFETY: the caller's timeout.
         let t = unsafe { &*timeout };
-        (t.tv_sec.max(0) as i64 * 1000 + t.tv_usec.max(0) as i64 / 1000).min(i64::from(c_int::MAX)) as c_int
+        (t.tv_sec.max(0).saturating_mul(1000) + t.tv_usec.max(0) / 1000).min(i64::from(c_int::MAX))
+            as c_int
     };
     // SAFETY: our own array.
     let n = unsafe { rpoll(pfds.as_mut_ptr(), pfds.len() as nfds_t, ms) };
@@ -811,11 +881,17 @@ pub unsafe extern "C-unwind" fn rselect(
     for p in &pfds {
         // SAFETY: as above.
         unsafe {
-            if !readfds.is_null() && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 && p.events & libc::POLLIN != 0 {
+            if !readfds.is_null()
+                && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+                && p.events & libc::POLLIN != 0
+            {
                 libc::FD_SET(p.fd, readfds);
                 count += 1;
             }
-            if !writefds.is_null() && p.revents & (libc::POLLOUT | libc::POLLERR) != 0 && p.events & libc::POLLOUT != 0 {
+            if !writefds.is_null()
+                && p.revents & (libc::POLLOUT | libc::POLLERR) != 0
+                && p.events & libc::POLLOUT != 0
+            {
                 libc::FD_SET(p.fd, writefds);
                 count += 1;
             }

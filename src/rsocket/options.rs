@@ -73,16 +73,12 @@ fn bytes(v: u32) -> Vec<u8> {
 impl Options {
     /// Receives a side posts (its ring): RDMA_RQSIZE, else SO_RCVBUF in segments.
     pub fn rq(&self) -> u32 {
-        self.rqsize
-            .unwrap_or(self.rcvbuf / SEG)
-            .clamp(2, MAX_RING)
+        self.rqsize.unwrap_or(self.rcvbuf / SEG).clamp(2, MAX_RING)
     }
 
     /// Send slots: RDMA_SQSIZE, else SO_SNDBUF in segments.
     pub fn sq(&self) -> u32 {
-        self.sqsize
-            .unwrap_or(self.sndbuf / SEG)
-            .clamp(2, MAX_RING)
+        self.sqsize.unwrap_or(self.sndbuf / SEG).clamp(2, MAX_RING)
     }
 
     /// `rsetsockopt` of an option every rsocket has.

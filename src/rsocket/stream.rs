@@ -81,7 +81,13 @@ impl Stream {
             PortSpace::Tcp,
             PortSpace::Tcp.qp_type(),
         )?;
-        Ok(Self::with(channel, id, Phase::Fresh, Options::default(), nonblocking))
+        Ok(Self::with(
+            channel,
+            id,
+            Phase::Fresh,
+            Options::default(),
+            nonblocking,
+        ))
     }
 
     fn with(
@@ -227,7 +233,8 @@ impl Stream {
                 let Some(conn) = st.conn.as_mut() else { return };
                 conn.peer = peer;
                 let (kind, status) = if peer.is_some() {
-                    st.id.on_delivery(ev.kind, ev.status, Some(&QpRef(&conn.qp)))
+                    st.id
+                        .on_delivery(ev.kind, ev.status, Some(&QpRef(&conn.qp)))
                 } else {
                     // Not a ugdr rsocket (or another segment size): refuse it.
                     st.id.abort();
@@ -276,12 +283,14 @@ impl Stream {
             let mut conn = Conn::new(&id, st.opts.rq(), st.opts.sq())?;
             conn.peer = Some(peer);
             id.attach_qp(Some(Arc::clone(&conn.qp)));
-            id.accept_with(
-                Some(&conn_param(conn.hello())),
-                Some(&QpRef(&conn.qp)),
-                0,
-            )?;
-            let child = Stream::with(channel, Arc::clone(&id), Phase::Accepted, st.opts.clone(), false);
+            id.accept_with(Some(&conn_param(conn.hello())), Some(&QpRef(&conn.qp)), 0)?;
+            let child = Stream::with(
+                channel,
+                Arc::clone(&id),
+                Phase::Accepted,
+                st.opts.clone(),
+                false,
+            );
             child.state().conn = Some(conn);
             Ok(child)
         })();
@@ -400,7 +409,11 @@ impl Stream {
             return Ok(0);
         }
         if let Some(e) = conn.error {
-            return Err(RsError::Os(if e == libc::EPIPE { libc::ECONNRESET } else { e }));
+            return Err(RsError::Os(if e == libc::EPIPE {
+                libc::ECONNRESET
+            } else {
+                e
+            }));
         }
         Err(self.would_block(&st))
     }
@@ -553,12 +566,8 @@ impl Stream {
         }
         let addr = region.addr();
         let pd = super::transport::pd()?;
-        let mr = MemoryRegion::register(
-            &pd,
-            region,
-            addr,
-            ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE,
-        )?;
+        let mr =
+            MemoryRegion::register(&pd, region, addr, ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE)?;
         let map = RemoteMap {
             offset,
             addr,

@@ -154,7 +154,10 @@ impl IdQp for QpRef<'_> {
     }
 
     fn modify(&self, req: &ModifyRequest) -> Result<(), CmError> {
-        self.0.modify_resolving(req).map(drop).map_err(CmError::from)
+        self.0
+            .modify_resolving(req)
+            .map(drop)
+            .map_err(CmError::from)
     }
 }
 
@@ -525,7 +528,8 @@ impl Conn {
     }
 
     fn post_or_release(&mut self, slot: u32, req: SendRequest) -> Result<(), RsError> {
-        self.post_send(req).inspect_err(|_| self.free_slots.push(slot))
+        self.post_send(req)
+            .inspect_err(|_| self.free_slots.push(slot))
     }
 
     /// Whether received data waits to be read.
