@@ -329,6 +329,10 @@ impl Conn {
                 break;
             }
         }
+        // A credit write skipped for a full send queue goes now.
+        if self.reposted - self.written >= u64::from((self.rq / 4).max(1)) {
+            self.write_credits();
+        }
     }
 
     fn complete(&mut self, wc: &WorkCompletion) {

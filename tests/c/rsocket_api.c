@@ -1,5 +1,6 @@
 /* rsockets' API edge cases and data integrity under ugdr: a server (the parent) and a client
- * (a child forked before either touches RDMA) on 127.0.0.1:PORT (argv[1]).
+ * (a child forked before either touches RDMA) on 127.0.0.1:PORT (argv[1]); nobody listens on
+ * argv[2].
  *
  * A: connection refused on a port nobody listens on; calls before a connection (ENOTCONN).
  * B: 8 MiB client -> server in random-sized pieces through rsend/rwrite/rwritev/rsendmsg,
@@ -97,10 +98,10 @@ static void recv_stream(int rs, uint32_t seed)
 	}
 }
 
-static int client(int port)
+static int client(int port, int unused)
 {
 	scenario = "client A";
-	struct sockaddr_in none = addr_of(port + 1), srv = addr_of(port);
+	struct sockaddr_in none = addr_of(unused), srv = addr_of(port);
 	int rs = rsocket(AF_INET, SOCK_STREAM, 0);
 	CHECK(rs >= 0, "rsocket");
 	char b[16];
@@ -108,7 +109,7 @@ static int client(int port)
 	CHECK(rsend(rs, b, sizeof b, 0) == -1 && errno == ENOTCONN, "rsend before connecting");
 	socklen_t len = sizeof none;
 	CHECK(rgetpeername(rs, (struct sockaddr *)&none, &len) == -1 && errno == ENOTCONN, "rgetpeername");
-	none = addr_of(port + 1);
+	none = addr_of(unused);
 	CHECK(rconnect(rs, (struct sockaddr *)&none, sizeof none) == -1 && errno == ECONNREFUSED,
 	      "connecting where nobody listens");
 	CHECK(rclose(rs) == 0, "rclose");
@@ -246,13 +247,13 @@ static int server(int port, pid_t child)
 
 int main(int argc, char **argv)
 {
-	CHECK(argc == 2, "usage: rsocket_api PORT");
+	CHECK(argc == 3, "usage: rsocket_api PORT UNUSED_PORT");
 	int port = atoi(argv[1]);
 	setvbuf(stdout, NULL, _IONBF, 0);
 	pid_t child = fork();
 	CHECK(child >= 0, "fork");
 	if (child == 0)
-		return client(port);
+		return client(port, atoi(argv[2]));
 	server(port, child);
 	printf("rsocket_api: %d checks\n", checks);
 	printf("rsocket_api: ok\n");
