@@ -436,43 +436,9 @@ pub unsafe extern "C" fn ibv_modify_qp(
             Ok(r) => r,
             Err(e) => return status(Err(e)),
         };
-        let engine = match Engine::get() {
-            Ok(e) => e,
-            Err(e) => return status(Err(e.into())),
-        };
-        let qp_obj = &shell.inner;
-        // Resolving may ask another host: do it before taking the worker lock.
-        let to_rtr = req.state == Some(QpState::Rtr)
-            && qp_obj.state() == QpState::Init
-            && req.mask.contains(AttrMask::AV);
-        let remote = if to_rtr {
-            let av = &req.attrs.ah;
-            match engine.resolve(av.dlid, av.is_global.then_some(&av.grh.dgid)) {
-                Ok(addr) => Some(addr),
-                Err(e) => {
-                    tracing::warn!(
-                        "qp {:#x}: lid {:#06x} qpn {:#x}: {e}",
-                        qp_obj.qp_num,
-                        av.dlid,
-                        req.attrs.dest_qp_num
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let locked = engine.worker.lock();
-        let peer = match remote {
-            Some(target) => match engine.connect(&locked, &target, req.attrs.dest_qp_num) {
-                Ok(p) => Some(p),
-                Err(e) => return status(Err(e.into())),
-            },
-            None => None,
-        };
-        match qp_obj.modify(&locked, &req, peer) {
+        match shell.inner.modify_resolving(&req) {
             Ok(state) => {
-                // SAFETY: `state` is read by the application; written only here, under the lock.
+                // SAFETY: `state` is read by the application; only ibv_modify_qp writes it.
                 unsafe { (*shell.as_raw()).qp_base.state = ibv_qp_state(state.to_raw()) };
                 0
             }

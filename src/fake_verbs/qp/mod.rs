@@ -24,6 +24,7 @@ mod local;
 mod queues;
 mod receive;
 mod requester;
+mod resolve;
 mod responder;
 mod timer;
 mod transition;
