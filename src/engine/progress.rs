@@ -131,6 +131,9 @@ impl Activity {
         if let Some(locked) = engine.worker.try_lock() {
             if locked.progress() > 0 {
                 self.idle_app_polls.store(0, Ordering::Relaxed);
+                if super::dispatch::owed_acks_overdue() {
+                    engine.flush_owed_acks(&locked);
+                }
                 return;
             }
             let idle = self.idle_app_polls.load(Ordering::Relaxed) + 1;
@@ -237,8 +240,14 @@ pub(super) fn run(
     let mut spinning = false;
     let mut next_tick = Instant::now();
     while !stopping.load(Ordering::Acquire) {
-        // Transport timers run whether the application sleeps, polls or spins.
+        // Transport timers run whether the application sleeps, polls or spins, and no ACK
+        // waits longer than OWED_ACK_MAX_WAIT for a message to ride on.
         super::tick_if_due(worker, &mut next_tick);
+        if super::dispatch::owed_acks_overdue()
+            && let (Some(locked), Some(engine)) = (worker.try_lock(), Engine::running())
+        {
+            engine.flush_owed_acks(&locked);
+        }
         let now = activity.seen();
         if window.busy_polling(now.polls) {
             // The application is spinning in ibv_poll_cq and progresses the worker itself. A
