@@ -510,7 +510,8 @@ impl Stream {
             child.close();
         }
         for m in std::mem::take(&mut st.local_maps) {
-            m.mr.deregister();
+            // Only ugdr holds these keys: no memory window can be bound to the region.
+            let _ = m.mr.deregister();
         }
         let id = Arc::clone(&st.id);
         if let Some(conn) = st.conn.take() {
@@ -589,7 +590,8 @@ impl Stream {
             .position(|m| m.map.addr == addr && m.map.len == len)
             .ok_or(RsError::Os(libc::EINVAL))?;
         let m = st.local_maps.remove(i);
-        m.mr.deregister();
+        // Only ugdr holds these keys: no memory window can be bound to the region.
+        let _ = m.mr.deregister();
         st.map_notices.push_back((MSG_IOUNMAP, m.map));
         flush_map_notices(&mut st);
         Ok(())

@@ -416,19 +416,11 @@ impl Conn {
             return;
         }
         let req = SendRequest {
-            wr_id: WR_CREDIT,
-            opcode: SendOpcode::RdmaWrite,
-            sges: smallvec![],
-            inline_data: Some(self.reposted.to_le_bytes().to_vec()),
-            imm_data: 0,
             signaled: true,
-            solicited: false,
-            fence: false,
+            inline_data: Some(self.reposted.to_le_bytes().as_slice().into()),
             remote_addr: peer.credit_addr,
             rkey: peer.credit_rkey,
-            compare_add: 0,
-            swap: 0,
-            ud: None,
+            ..SendRequest::new(WR_CREDIT, SendOpcode::RdmaWrite)
         };
         if self.post_send(req).is_ok() {
             self.written = self.reposted;
@@ -511,23 +503,16 @@ impl Conn {
         rkey: u32,
     ) -> SendRequest {
         SendRequest {
-            wr_id: u64::from(slot),
-            opcode,
             sges: smallvec![Sge {
                 addr: self.base + self.send_off + u64::from(slot) * u64::from(SEG),
                 length: len as u32,
                 lkey: self.ring_mr.lkey(),
             }],
-            inline_data: None,
             imm_data: imm,
             signaled: true,
-            solicited: false,
-            fence: false,
             remote_addr,
             rkey,
-            compare_add: 0,
-            swap: 0,
-            ud: None,
+            ..SendRequest::new(u64::from(slot), opcode)
         }
     }
 
@@ -589,8 +574,10 @@ impl Conn {
             engine.unregister_qp(self.qp.qp_num);
             self.qp.destroy(&locked);
         }
-        self.ring_mr.deregister();
-        self.credit_mr.deregister();
+        // Only ugdr holds these keys: no memory window can be bound to the region.
+        let _ = self.ring_mr.deregister();
+        // Only ugdr holds these keys: no memory window can be bound to the region.
+        let _ = self.credit_mr.deregister();
         self.cq.destroy();
     }
 }
