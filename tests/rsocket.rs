@@ -51,6 +51,39 @@ fn rstream_verified_nonblocking_by_default() {
     local("rstream", &[&SIZE[..], &["-T", "v"]].concat());
 }
 
+/// rstream's own default test set: latency and bandwidth runs from 64 B (100,000 transfers)
+/// to 1 MiB, every row reported by both sides.
+#[test]
+fn rstream_default_test_set() {
+    let port = free_port();
+    let p = port.to_string();
+    let (so, co) = run_pingpong(
+        preloaded("rstream", &["-p", &p]),
+        preloaded("rstream", &["-s", "127.0.0.1", "-p", &p]),
+        port,
+        Duration::from_secs(120),
+    );
+    assert_success(&so, "rstream server");
+    assert_success(&co, "rstream client");
+    let out = stdout(&co);
+    for (name, size, xfers, iters) in [
+        ("64_lat", "64", "1", "100k"),
+        ("4k_lat", "4k", "1", "10k"),
+        ("64k_lat", "64k", "1", "1k"),
+        ("1m_lat", "1m", "1", "100"),
+        ("64_bw", "64", "100k", "1"),
+        ("4k_bw", "4k", "10k", "1"),
+        ("64k_bw", "64k", "1k", "1"),
+        ("1m_bw", "1m", "100", "1"),
+    ] {
+        assert!(
+            out.lines()
+                .any(|l| l.split_whitespace().take(4).eq([name, size, xfers, iters])),
+            "no {name} row:\n{out}"
+        );
+    }
+}
+
 #[test]
 fn rstream_verified_blocking() {
     local("rstream", &[&SIZE[..], &["-T", "v", "-T", "b"]].concat());
