@@ -534,6 +534,10 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
                 _ => c_int::fail(libc::EINVAL),
             };
         };
+        if shell.inner.in_multicast_groups() {
+            // As the kernel's uverbs: a QP still attached to a multicast group stays.
+            return c_int::fail(libc::EBUSY);
+        }
         if let Ok(engine) = Engine::get() {
             let locked = engine.worker.lock();
             shell.inner.flush_ack(&locked);

@@ -25,6 +25,7 @@ pub mod auth;
 pub mod direct;
 mod dispatch;
 mod error;
+pub mod multicast;
 pub mod wire;
 
 pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, arm_timer, owe_ack};
@@ -203,6 +204,7 @@ impl Engine {
             // What a HCA would still do for this process: acknowledge what it delivered.
             let locked = self.worker.lock();
             self.flush_owed_acks(&locked);
+            self.multicast_shutdown(&locked);
             let until = std::time::Instant::now() + EXIT_DRAIN;
             while locked.progress() > 0 || std::time::Instant::now() < until {
                 if std::time::Instant::now() >= until {
@@ -439,6 +441,9 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
         );
         return false;
     };
+    if h.flags & wire::FLAG_MULTICAST != 0 {
+        return engine.multicast_arrived(locked, h, payload);
+    }
     let Some(qp) = engine.receiver(h.dst_qpn) else {
         tracing::debug!("dropping {:?} for unknown qp {:#x}", h.op, h.dst_qpn);
         return false;

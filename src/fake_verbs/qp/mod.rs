@@ -18,6 +18,7 @@
 
 mod attributes;
 mod completer;
+mod multicast;
 mod queues;
 mod receive;
 mod requester;
@@ -245,6 +246,16 @@ impl MessageReceiver for QueuePair {
         payload: AmPayload<'_>,
     ) -> bool {
         self.on_response(locked, header, payload)
+    }
+
+    fn group_datagram(
+        self: Arc<Self>,
+        locked: &LockedWorker<'_>,
+        header: Header,
+        mgid: &[u8; 16],
+        payload: AmPayload<'_>,
+    ) -> bool {
+        self.on_group_datagram(locked, header, mgid, payload)
     }
 
     fn ack_arrived(self: Arc<Self>, locked: &LockedWorker<'_>, header: &Header) {

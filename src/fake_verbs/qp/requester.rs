@@ -38,18 +38,24 @@ impl QueuePair {
             }
             _ => None,
         };
+        let group = req.ud.as_ref().and_then(|ud| ud.ah.group().copied());
         // The message itself is sent straight from here (the hot path), the queue lock
         // released; anything else the post queued goes through the outbox.
         let message =
             self.locked_then_send(locked, |q| self.post_send_locked(q, req, datagram_to))?;
-        if let Some(DataMessage {
-            endpoint,
-            header,
-            payload,
-            seq,
-        }) = message
-        {
-            self.start_send(locked, &endpoint, &header, payload, Some(seq));
+        match (message, group) {
+            // A datagram to a multicast group: the engine replicates it.
+            (Some(message), Some(mgid)) => self.send_to_group(locked, &mgid, message),
+            (
+                Some(DataMessage {
+                    endpoint,
+                    header,
+                    payload,
+                    seq,
+                }),
+                None,
+            ) => self.start_send(locked, &endpoint, &header, payload, Some(seq)),
+            (None, _) => {}
         }
         Ok(())
     }
