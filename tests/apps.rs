@@ -131,10 +131,11 @@ fn the_device_has_a_vendor_identity_in_both_profiles_and_nothing_else_differs() 
         rest(&cx6),
         "the profiles differ beyond the identity"
     );
-    // Limits that say what ugdr has: address handles yes, memory windows and multicast no.
+    // Limits that say what ugdr has: address handles and multicast yes, memory windows no.
     assert_ne!(field(&own, "max_ah"), "0");
     assert_eq!(field(&own, "max_mw"), "0");
-    assert_eq!(field(&own, "max_mcast_grp"), "0");
+    assert_eq!(field(&own, "max_mcast_grp"), "1024");
+    assert_eq!(field(&own, "max_mcast_qp_attach"), "56");
     // No memory windows, so no IBV_DEVICE_MEM_MGT_EXTENSIONS (bit 21): SPDK would otherwise
     // use SEND_WITH_INV, which ugdr does not carry.
     let flags = field(&own, "device_cap_flags");

@@ -462,11 +462,16 @@ impl Discovery {
 fn discovery_loop() {
     let mut next_refresh = Instant::now() + REFRESH;
     let mut buf = [0u8; directory_groups::MAX_MESSAGE + 1];
+    // Started while the sockets are being published.
+    let d = loop {
+        match STATE.discovery.get() {
+            Some(Some(d)) => break d,
+            Some(None) => return,
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    };
     loop {
         let Some(engine) = Engine::running() else {
-            return;
-        };
-        let Some(d) = STATE.discovery.get().and_then(Option::as_ref) else {
             return;
         };
         let fds = [d.group_socket.as_raw_fd(), d.query_socket.as_raw_fd()];
