@@ -101,10 +101,11 @@ fn mckey_run(receivers: Command, sender: Command) -> String {
     format!("{}{}", stdout(&r), stdout(&s))
 }
 
-/// Two mckey receivers started by one shell (one host's processes), both must pass.
+/// Two mckey receivers started by one shell (one host's processes), both must pass; the
+/// second's QP is created with IBV_QP_CREATE_BLOCK_SELF_MCAST_LB (`-l`).
 fn two_receivers(mckey: &str, group: &str, bind: &str) -> Vec<String> {
     let script = format!(
-        "{mckey} -m {group} -b {bind} & p=$!; {mckey} -m {group} -b {bind}; r=$?; \
+        "{mckey} -m {group} -b {bind} & p=$!; {mckey} -m {group} -b {bind} -l; r=$?; \
          wait $p; exit $(( $? | r ))"
     );
     vec!["-c".into(), script]
@@ -118,7 +119,8 @@ fn mckey_with_two_receivers_on_one_host() {
     receivers.args(&args).env("LD_PRELOAD", lib_path());
     let out = mckey_run(
         receivers,
-        preloaded("mckey", &["-m", "239.1.2.31", "-s", "-b", "127.0.0.1"]),
+        // A send-only full member (`-o`): its QP is not attached.
+        preloaded("mckey", &["-m", "239.1.2.31", "-s", "-o", "-b", "127.0.0.1"]),
     );
     assert_mckey_passed(&out, 2, "f01:21f");
 }

@@ -261,6 +261,7 @@ impl Engine {
     /// Messages for `qpn` are dropped from now on, and its direct-access slot is free.
     pub fn unregister_qp(&self, qpn: u32) {
         self.qps.remove(&qpn);
+        self.multicast_forget_qp(qpn);
         if let Some(m) = &self.memory {
             m.withdraw_qp(qpn);
             m.release_qp_slot(qpn);

@@ -8,7 +8,8 @@
 //! * *Sending*: a UD SEND through an address handle whose GID is a multicast GID is
 //!   replicated by the sender's engine, one message per member process: this process's own
 //!   attached QPs get it at once (IB's rule: the sending QP gets its own message only if it
-//!   is attached itself), every other member process gets one UCX message carrying the MGID in
+//!   is attached itself, and not when created with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB`),
+//!   every other member process gets one UCX message carrying the MGID in
 //!   front of the payload ([`wire::FLAG_MULTICAST`], destination QPN 0xFFFFFF). Members on
 //!   this host come from the directory (re-read when it changed), members on other hosts
 //!   from the discovery thread, which asks the group's IPv4 multicast address at the first
@@ -85,6 +86,9 @@ struct Multicast {
     local: Mutex<LocalView>,
     /// Groups this process sends to, with their members on other hosts.
     remote: Mutex<HashMap<[u8; 16], HashMap<[u8; 16], Member>>>,
+    /// QPs created with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB`: their own datagrams never come
+    /// back to them.
+    no_loopback: Mutex<HashSet<u32>>,
     /// Member messages UCX has not finished sending.
     in_flight: Arc<AtomicUsize>,
     discovery: OnceLock<Option<Discovery>>,
@@ -168,6 +172,19 @@ impl Engine {
             }
         }
         true
+    }
+
+    /// QP `qpn` does not receive the datagrams it sends to groups it is attached to
+    /// (`IBV_QP_CREATE_BLOCK_SELF_MCAST_LB`).
+    pub fn multicast_block_loopback(&self, qpn: u32) {
+        lock(&STATE.no_loopback).insert(qpn);
+    }
+
+    /// QP `qpn` is gone.
+    pub(super) fn multicast_forget_qp(&self, qpn: u32) {
+        if lock(&STATE.no_loopback).remove(&qpn) {
+            tracing::trace!("multicast: qp {qpn:#x} forgotten");
+        }
     }
 
     /// How many groups QP `qpn` is attached to.
@@ -277,7 +294,10 @@ impl Engine {
                 }
             }
         }
-        self.deliver_to_group(locked, &h, mgid, data);
+        let own = lock(&STATE.no_loopback)
+            .contains(&header.src_qpn)
+            .then_some(header.src_qpn);
+        self.deliver_to_group(locked, &h, mgid, data, own);
     }
 
     /// A multicast datagram from another process (the MGID, then the payload).
@@ -316,19 +336,20 @@ impl Engine {
             tracing::debug!("multicast: dropping a datagram without its group");
             return;
         };
-        self.deliver_to_group(locked, h, mgid, data);
+        self.deliver_to_group(locked, h, mgid, data, None);
     }
 
-    /// Hands a datagram to every QP of this process attached to `mgid` now.
+    /// Hands a datagram to every QP of this process attached to `mgid` now (but `skip`).
     fn deliver_to_group(
         &self,
         locked: &LockedWorker<'_>,
         h: &wire::Header,
         mgid: &[u8; 16],
         data: &[u8],
+        skip: Option<u32>,
     ) {
         let qpns = lock(&STATE.attached).get(mgid).cloned().unwrap_or_default();
-        for qpn in qpns {
+        for qpn in qpns.into_iter().filter(|q| Some(*q) != skip) {
             if let Some(qp) = self.receiver(qpn) {
                 let mut h = *h;
                 h.dst_qpn = qpn;

@@ -38,7 +38,7 @@ static union ibv_gid group_gid(int tag)
 
 static uint16_t group_lid(int tag) { return (uint16_t)(0xc000 + tag); }
 
-static struct ud ud_qp(uint32_t qkey)
+static struct ud ud_qp_flags(uint32_t qkey, uint32_t create_flags)
 {
     struct ud u;
     u.cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
@@ -46,7 +46,10 @@ static struct ud ud_qp(uint32_t qkey)
     CHECK(u.cq && u.scq, "create_cq");
     struct ibv_qp_init_attr ia = { .send_cq = u.scq, .recv_cq = u.cq, .qp_type = IBV_QPT_UD,
                                    .cap = { .max_send_wr = 8, .max_recv_wr = 8, .max_send_sge = 1, .max_recv_sge = 1 } };
-    u.qp = ibv_create_qp(pd, &ia);
+    struct ibv_qp_init_attr_ex iax = { .send_cq = u.scq, .recv_cq = u.cq, .qp_type = IBV_QPT_UD, .cap = ia.cap,
+                                       .comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_CREATE_FLAGS,
+                                       .pd = pd, .create_flags = create_flags };
+    u.qp = create_flags ? ibv_create_qp_ex(ctx, &iax) : ibv_create_qp(pd, &ia);
     CHECK(u.qp, "create_qp");
     struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qkey = qkey };
     CHECK(ibv_modify_qp(u.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY) == 0, "INIT");
@@ -59,6 +62,8 @@ static struct ud ud_qp(uint32_t qkey)
     CHECK(u.mr, "reg_mr");
     return u;
 }
+
+static struct ud ud_qp(uint32_t qkey) { return ud_qp_flags(qkey, 0); }
 
 static void post_recv(struct ud *u, int slot)
 {
@@ -175,7 +180,7 @@ static void one_process(void)
     CHECK(ibv_destroy_qp(r2.qp) == EBUSY, "destroyed an attached QP");
 
     struct ibv_ah *ah = group_ah(tag);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 6; i++) {
         post_recv(&r1, i); post_recv(&r2, i); post_recv(&n, i); post_recv(&s, i);
     }
     /* Every attached QP gets one copy (r1 attached twice: still one); the sender and a QP
@@ -194,6 +199,20 @@ static void one_process(void)
     expect(&r2, tag, 'b', s.qp->qp_num, port_lid);
     expect(&s, tag, 'b', s.qp->qp_num, port_lid);
     CHECK(ibv_detach_mcast(s.qp, &mgid, mlid) == 0, "detach s");
+
+    /* A QP created with IBV_QP_CREATE_BLOCK_SELF_MCAST_LB does not get its own datagrams. */
+    struct ud b = ud_qp_flags(QKEY, IBV_QP_CREATE_BLOCK_SELF_MCAST_LB);
+    post_recv(&b, 0);
+    CHECK(ibv_attach_mcast(b.qp, &mgid, mlid) == 0, "attach b");
+    send_to(&b, ah, 'B', QKEY);
+    expect(&r1, tag, 'B', b.qp->qp_num, port_lid);
+    expect(&r2, tag, 'B', b.qp->qp_num, port_lid);
+    expect_nothing(&b, "blocked loopback");
+    send_to(&s, ah, 'S', QKEY);
+    expect(&b, tag, 'S', s.qp->qp_num, port_lid);
+    expect(&r1, tag, 'S', s.qp->qp_num, port_lid);
+    expect(&r2, tag, 'S', s.qp->qp_num, port_lid);
+    CHECK(ibv_detach_mcast(b.qp, &mgid, mlid) == 0, "detach b");
 
     /* Another Q_Key: dropped by every member. */
     send_to(&s, ah, 'c', QKEY + 1);
