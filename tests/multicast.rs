@@ -78,7 +78,9 @@ fn assert_mckey_passed(out: &str, receivers: usize, group: &str) {
     assert_eq!(count("mckey: starting client"), 1, "{out}");
     // The kernel CM's MGID for the IPv4 group with rdma_cm's UDP signature.
     assert_eq!(
-        count(&format!("mckey: joined dgid: ff12:4001:ffff::{group} mlid 0x")),
+        count(&format!(
+            "mckey: joined dgid: ff12:4001:ffff::{group} mlid 0x"
+        )),
         receivers + 1,
         "{out}"
     );
@@ -120,7 +122,10 @@ fn mckey_with_two_receivers_on_one_host() {
     let out = mckey_run(
         receivers,
         // A send-only full member (`-o`): its QP is not attached.
-        preloaded("mckey", &["-m", "239.1.2.31", "-s", "-o", "-b", "127.0.0.1"]),
+        preloaded(
+            "mckey",
+            &["-m", "239.1.2.31", "-s", "-o", "-b", "127.0.0.1"],
+        ),
     );
     assert_mckey_passed(&out, 2, "f01:21f");
 }
@@ -141,7 +146,8 @@ fn mckey_and_datagrams_across_two_hosts() {
     // (one shell: they share that host's directory).
     let exe = ns.stage(&build_c("multicast", &["-libverbs"]));
     let exe = exe.to_str().expect("utf-8 path");
-    let script = format!("{exe} recv 5 33 & p=$!; {exe} recv 5 33; r=$?; wait $p; exit $(( $? | r ))");
+    let script =
+        format!("{exe} recv 5 33 & p=$!; {exe} recv 5 33; r=$?; wait $p; exit $(( $? | r ))");
     receivers_then_sender(
         vec![ns.command(&ns.a, "sh", &["-c", &script])],
         ns.command(&ns.b, exe, &["send", "5", "33"]),

@@ -288,12 +288,22 @@ fn assert_cmtime_table(client: &std::process::Output, server: &std::process::Out
         assert!(!out.contains(bad), "{out}");
         assert!(!stdout(server).contains(bad), "server\n{}", text(server));
     }
-    assert!(out.contains("step              total ms     max ms     min us  us / conn"), "{out}");
+    assert!(
+        out.contains("step              total ms     max ms     min us  us / conn"),
+        "{out}"
+    );
     let mut steps = vec!["create id"];
     if bind {
         steps.push("bind addr");
     }
-    steps.extend(["resolve addr", "resolve route", "create qp", "connect", "disconnect", "destroy"]);
+    steps.extend([
+        "resolve addr",
+        "resolve route",
+        "create qp",
+        "connect",
+        "disconnect",
+        "destroy",
+    ]);
     for step in steps {
         let row = out
             .lines()
@@ -335,7 +345,11 @@ fn cmtime_across_two_hosts() {
     let p = port.to_string();
     let (s, c) = client_of_endless_server(
         ns.command(&ns.a, "cmtime", &["-b", ADDR_A, "-p", &p]),
-        ns.command(&ns.b, "cmtime", &["-s", ADDR_A, "-b", ADDR_B, "-p", &p, "-c", "50"]),
+        ns.command(
+            &ns.b,
+            "cmtime",
+            &["-s", ADDR_A, "-b", ADDR_B, "-p", &p, "-c", "50"],
+        ),
         port,
         |p| ns.listening(&ns.a, p),
     );

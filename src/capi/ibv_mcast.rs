@@ -18,11 +18,9 @@ mod real {
     }
 }
 
-/// Attaches (or detaches) one of ugdr's QPs; 0 or the errno.
-///
-/// # Safety
-/// `qp` is one of ugdr's QPs; `gid` is NULL or a readable `ibv_gid`.
-unsafe fn multicast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16, attach: bool) -> c_int {
+/// Attaches (or detaches) one of ugdr's QPs; 0 or the errno. Called only by the two exports
+/// below, with the application's pointers: `qp` one of ugdr's QPs, `gid` NULL or readable.
+fn multicast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16, attach: bool) -> c_int {
     if gid.is_null() {
         return c_int::fail(libc::EINVAL);
     }
@@ -40,7 +38,14 @@ unsafe fn multicast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16, attach: bool
     match done {
         Ok(()) => 0,
         Err(e) => {
-            tracing::debug!("{}: {e}", if attach { "ibv_attach_mcast" } else { "ibv_detach_mcast" });
+            tracing::debug!(
+                "{}: {e}",
+                if attach {
+                    "ibv_attach_mcast"
+                } else {
+                    "ibv_detach_mcast"
+                }
+            );
             c_int::fail(e.errno())
         }
     }
@@ -49,10 +54,10 @@ unsafe fn multicast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16, attach: bool
 not_yet! {
     /// Attaches a UD QP to a multicast group (MGID and MLID).
     ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,
-    context = (*qp).context, ours = unsafe { multicast(qp, gid, lid, true) };
+    context = (*qp).context, ours = multicast(qp, gid, lid, true);
 }
 not_yet! {
     /// Detaches a UD QP from a multicast group it is attached to.
     ibv_detach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,
-    context = (*qp).context, ours = unsafe { multicast(qp, gid, lid, false) };
+    context = (*qp).context, ours = multicast(qp, gid, lid, false);
 }

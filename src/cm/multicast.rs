@@ -96,7 +96,9 @@ impl CmId {
         {
             let mut s = self.state();
             if !matches!(s.phase, Phase::Bound | Phase::AddrResolved) {
-                return Err(CmError::Invalid("the id's address is not bound or resolved"));
+                return Err(CmError::Invalid(
+                    "the id's address is not bound or resolved",
+                ));
             }
             s.joins.push(Join {
                 addr,
@@ -205,7 +207,9 @@ mod tests {
         let m = mgid_of(&v4, PortSpace::Udp);
         assert_eq!(
             m,
-            [0xff, 0x12, 0x40, 0x01, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0x0f, 1, 1, 1]
+            [
+                0xff, 0x12, 0x40, 0x01, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0x0f, 1, 1, 1
+            ]
         );
         assert_eq!(mgid_of(&v4, PortSpace::Ipoib)[3], 0x1b);
         let v6: IpAddr = "ff0e::1234:5678".parse().unwrap();

@@ -64,9 +64,9 @@ pub fn is_multicast_lid(lid: u16) -> bool {
 /// The multicast LID ugdr's connection manager gives a group (as a subnet manager would):
 /// derived from the MGID, so every host gives the same one.
 pub fn mlid_of(mgid: &[u8; 16]) -> u16 {
-    let h = mgid
-        .iter()
-        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
+    let h = mgid.iter().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    });
     0xc000 + (h % 0x3fff) as u16
 }
 
@@ -85,7 +85,7 @@ struct Multicast {
     attached: Mutex<HashMap<[u8; 16], Vec<u32>>>,
     local: Mutex<LocalView>,
     /// Groups this process sends to, with their members on other hosts.
-    remote: Mutex<HashMap<[u8; 16], HashMap<[u8; 16], Member>>>,
+    remote: Mutex<HashMap<[u8; 16], Members>>,
     /// QPs created with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB`: their own datagrams never come
     /// back to them.
     no_loopback: Mutex<HashSet<u32>>,
@@ -101,6 +101,9 @@ struct LocalView {
     members: HashMap<[u8; 16], Vec<u16>>,
     resolved: HashMap<u16, Resolved>,
 }
+
+/// A group's members on other hosts, by GID.
+type Members = HashMap<[u8; 16], Member>;
 
 struct Member {
     seen: Instant,

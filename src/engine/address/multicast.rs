@@ -162,9 +162,9 @@ pub fn ip_group(mgid: &[u8; 16]) -> Ipv4Addr {
         let low = u32::from_be_bytes([mgid[12], mgid[13], mgid[14], mgid[15]]) & 0x0fff_ffff;
         return Ipv4Addr::from(0xe000_0000 | low);
     }
-    let h = mgid
-        .iter()
-        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
+    let h = mgid.iter().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    });
     Ipv4Addr::new(239, 255, (h >> 8) as u8, h as u8)
 }
 

@@ -52,7 +52,9 @@ impl QueuePair {
 
     fn check_group(&self, gid: &[u8; 16], lid: u16) -> Result<(), VerbsError> {
         if self.qp_type != QpType::Ud {
-            return Err(VerbsError::Invalid("only UD QPs attach to multicast groups"));
+            return Err(VerbsError::Invalid(
+                "only UD QPs attach to multicast groups",
+            ));
         }
         if !is_multicast_gid(gid) {
             return Err(VerbsError::Invalid("not a multicast GID"));
