@@ -1,4 +1,5 @@
-//! UD multicast: the verbs rules and every completion field (tests/c/multicast.c), datagrams
+//! UD multicast: the verbs rules and every completion field (tests/c/multicast.c), rdma_cm's
+//! joins and leaves (tests/c/multicast_cm.c), datagrams
 //! between processes, and rdmacm-utils' `mckey` with two receivers, on one host and across
 //! two network namespaces (no daemon started by anyone).
 
@@ -18,6 +19,12 @@ fn stdout(o: &Output) -> String {
 fn attach_detach_rules_delivery_and_every_completion_field_in_one_process() {
     let exe = build_c("multicast", &["-libverbs"]);
     run_checked_under_ugdr(&exe, &[], "multicast", "multicast: ok");
+}
+
+#[test]
+fn rdma_cm_join_checks_event_parameters_send_only_members_and_leaving() {
+    let exe = build_c("multicast_cm", &["-libverbs", "-lrdmacm"]);
+    run_checked_under_ugdr(&exe, &[], "multicast_cm", "multicast_cm: ok");
 }
 
 /// `recv` (one or more commands, each printing "ready" once attached) then `send`; all must
