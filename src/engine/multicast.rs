@@ -108,6 +108,9 @@ type Members = HashMap<[u8; 16], Member>;
 struct Member {
     seen: Instant,
     resolved: Option<Resolved>,
+    /// When its worker address was looked up (again after [`FORGET`]: the GID's LID may
+    /// have passed to another process, one that crashed announces nothing).
+    resolved_at: Instant,
 }
 
 /// The discovery sockets: one on `UGDR_PORT` joined to the groups' IPv4 addresses (shared by
@@ -233,10 +236,8 @@ impl Engine {
             if changed.is_none() || changed != local.read_at {
                 local.read_at = changed;
                 local.members = self.directory.group_members(self.gate.secret());
-                let LocalView {
-                    members, resolved, ..
-                } = &mut *local;
-                resolved.retain(|lid, _| members.values().any(|l| l.contains(lid)));
+                // A LID may have passed to another process since.
+                local.resolved.clear();
             }
             let lids = local.members.get(mgid).cloned().unwrap_or_default();
             for lid in lids.into_iter().filter(|l| *l != self.lid) {
@@ -563,7 +564,7 @@ fn heard(engine: &Engine, d: &Discovery, m: Message, from: SocketAddr) {
                 };
                 if let Some(member) = members.get_mut(&m.gid) {
                     member.seen = Instant::now();
-                    member.resolved.is_some()
+                    member.resolved.is_some() && member.resolved_at.elapsed() < FORGET
                 } else if members.len() >= MAX_REMOTE_MEMBERS {
                     tracing::debug!("multicast: group full, ignoring lid {lid:#06x} at {ip}");
                     return;
@@ -592,6 +593,7 @@ fn heard(engine: &Engine, d: &Discovery, m: Message, from: SocketAddr) {
                     Member {
                         seen: Instant::now(),
                         resolved: Some(resolved),
+                        resolved_at: Instant::now(),
                     },
                 );
             }
