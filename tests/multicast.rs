@@ -112,10 +112,10 @@ fn mckey_run(receivers: Command, sender: Command) -> String {
 
 /// Two mckey receivers started by one shell (one host's processes), both must pass; the
 /// second's QP is created with IBV_QP_CREATE_BLOCK_SELF_MCAST_LB (`-l`).
-fn two_receivers(mckey: &str, group: &str, bind: &str) -> Vec<String> {
+fn two_receivers(mckey: &str, group: &str, bind: &str, extra: &str) -> Vec<String> {
     let script = format!(
-        "{mckey} -m {group} -b {bind} & p=$!; {mckey} -m {group} -b {bind} -l; r=$?; \
-         wait $p; exit $(( $? | r ))"
+        "{mckey} -m {group} -b {bind} {extra} & p=$!; {mckey} -m {group} -b {bind} -l {extra}; \
+         r=$?; wait $p; exit $(( $? | r ))"
     );
     vec!["-c".into(), script]
 }
@@ -123,17 +123,27 @@ fn two_receivers(mckey: &str, group: &str, bind: &str) -> Vec<String> {
 #[test]
 fn mckey_with_two_receivers_on_one_host() {
     let mckey = require("mckey");
-    let args = two_receivers(&mckey, "239.1.2.31", "127.0.0.1");
+    // Datagrams of the full MTU, which the sender's UCX is told to send by rendezvous (the
+    // receiving engine fetches them before handing them to its attached QPs).
+    let args = two_receivers(&mckey, "239.1.2.31", "127.0.0.1", "-S 4096");
     let mut receivers = Command::new(require("sh"));
     receivers.args(&args).env("LD_PRELOAD", lib_path());
-    let out = mckey_run(
-        receivers,
+    let mut sender = preloaded(
+        "mckey",
         // A send-only full member (`-o`): its QP is not attached.
-        preloaded(
-            "mckey",
-            &["-m", "239.1.2.31", "-s", "-o", "-b", "127.0.0.1"],
-        ),
+        &[
+            "-m",
+            "239.1.2.31",
+            "-s",
+            "-o",
+            "-b",
+            "127.0.0.1",
+            "-S",
+            "4096",
+        ],
     );
+    sender.env("UCX_RNDV_THRESH", "1024");
+    let out = mckey_run(receivers, sender);
     assert_mckey_passed(&out, 2, "f01:21f");
 }
 
@@ -141,7 +151,7 @@ fn mckey_with_two_receivers_on_one_host() {
 fn mckey_and_datagrams_across_two_hosts() {
     let ns = NetnsPair::new("m");
     let mckey = require("mckey");
-    let args = two_receivers(&mckey, "239.1.2.32", ADDR_A);
+    let args = two_receivers(&mckey, "239.1.2.32", ADDR_A, "");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = mckey_run(
         ns.command(&ns.a, "sh", &args),

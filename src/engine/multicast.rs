@@ -315,6 +315,7 @@ impl Engine {
             AmPayload::Transient(b) => self.deliver_framed(locked, &h, b),
             AmPayload::Persistent(d) => self.deliver_framed(locked, &h, d.bytes()),
             AmPayload::Rendezvous(d) => {
+                tracing::debug!("multicast: fetching a {}-byte datagram", d.len());
                 let buf = Arc::new(Mutex::new(vec![0u8; d.len()]));
                 let span = AppSpan::of_owned(&lock(&buf));
                 let kept = Arc::clone(&buf);
