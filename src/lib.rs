@@ -17,6 +17,7 @@ pub mod engine;
 pub mod fake_verbs;
 mod log;
 pub mod report;
+pub mod rsocket;
 pub mod shared_memory;
 pub mod sys;
 pub mod topology;

@@ -1,6 +1,6 @@
 //! What `ugdr info` prints: the device, its port, and the UCX transports in use.
 
-use crate::engine::Engine;
+use crate::engine::{Engine, ProgressMode};
 use crate::fake_verbs::device::{self, DeviceAttributes};
 use std::fmt::Write;
 
@@ -57,6 +57,19 @@ pub fn describe(engine: &Engine) -> String {
         }
     };
     let _ = writeln!(out, "direct path:   {direct}");
+    let progress = match engine.progress.mode {
+        ProgressMode::Event => {
+            "event (UGDR_PROGRESS): the progress thread sleeps on UCX's event fd between messages"
+        }
+        ProgressMode::Adaptive => &format!(
+            "adaptive (UGDR_PROGRESS): the progress thread keeps polling for {} µs after activity (UGDR_PROGRESS_SPIN_US), then sleeps on UCX's event fd",
+            engine.progress.spin.as_micros()
+        ),
+        ProgressMode::Busy => {
+            "busy (UGDR_PROGRESS): the progress thread polls without sleeping (one core per process)"
+        }
+    };
+    let _ = writeln!(out, "progress:      {progress}");
     let _ = writeln!(
         out,
         "ucx:           {}",

@@ -40,3 +40,13 @@ fn rare_entry_points_answer_for_ugdr_objects_as_for_a_device_without_the_feature
     let exe = build_c("rare_exports", &["-libverbs", "-lrdmacm"]);
     run_under_ugdr(&exe, "rare_exports");
 }
+
+/// XRC (`tests/c/xrc.c`): domains and their open flags, XRC SRQs and their numbers, XRC_SEND to
+/// XRC_RECV with `remote_srqn` and `ibv_wr_set_xrc_srqn`, `ibv_open_qp`, every completion
+/// field, and the error cases (an SRQ of another domain or none: IBV_WC_REM_INV_REQ_ERR and
+/// IBV_EVENT_QP_REQ_ERR; EBUSY for an xrcd or CQ in use).
+#[test]
+fn xrc_domains_srqs_and_queue_pairs() {
+    let exe = build_c("xrc", &["-libverbs"]);
+    run_under_ugdr(&exe, "xrc");
+}

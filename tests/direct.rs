@@ -41,7 +41,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 8] = [
+    let cases: [(&str, fn()); 11] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
@@ -62,6 +62,15 @@ fn main() {
             "a_requester_not_permitted_falls_back_to_messages",
             not_permitted,
         ),
+        ("messages_in_order_under_event_progress", || {
+            messages_in_order("event")
+        }),
+        ("messages_in_order_under_adaptive_progress", || {
+            messages_in_order("adaptive")
+        }),
+        ("messages_in_order_under_busy_progress", || {
+            messages_in_order("busy")
+        }),
     ];
     let (mut passed, mut failed) = (0, 0);
     for (name, case) in cases {
@@ -105,6 +114,15 @@ fn reregistered() {
 }
 fn direct_off() {
     run("fallback", &[("UGDR_DIRECT", "off")], Requester::Privileged);
+}
+/// WRITE+SEND pairs on the message path (the target publishes nothing), the data checked at
+/// the target, with both processes' progress threads in `mode` (UGDR_PROGRESS).
+fn messages_in_order(mode: &str) {
+    run(
+        "ordering_messages",
+        &[("UGDR_DIRECT", "off"), ("UGDR_PROGRESS", mode)],
+        Requester::Privileged,
+    );
 }
 fn not_permitted() {
     // A non-dumpable target (as a setuid or execute-only program is) may only be opened by a
@@ -186,7 +204,7 @@ fn run(scenario: &str, target_env: &[(&str, &str)], how: Requester) {
     let requester_env: Vec<(&str, &str)> = target_env
         .iter()
         .copied()
-        .filter(|(k, _)| *k == "UCX_TLS")
+        .filter(|(k, _)| matches!(*k, "UCX_TLS" | "UGDR_PROGRESS"))
         .collect();
     let mut requester = spawn(scenario, &requester_env, &how);
     let target_err = stderr_of(&mut target);
@@ -664,7 +682,8 @@ fn requester_role(scenario: &str) {
             "refusals" => scenario_refusals(&mut relay, &mut link),
             "dereg_race" => scenario_dereg_race(&mut relay, &mut link, "dereg"),
             "rereg" => scenario_rereg(&mut relay, &mut link),
-            "ordering" => scenario_ordering(&mut relay, &mut link),
+            "ordering" => scenario_ordering(&mut relay, &mut link, 100_000),
+            "ordering_messages" => scenario_ordering(&mut relay, &mut link, 5_000),
             "fallback" => scenario_fallback(&mut relay, &mut link),
             "reregistered" => scenario_reregistered(&mut relay, &mut link),
             other => panic!("unknown scenario {other}"),
@@ -856,11 +875,11 @@ fn scenario_dereg_race(relay: &mut Relay, link: &mut Link, command: &str) {
     assert_eq!(status, ibv_wc_status::IBV_WC_REM_ACCESS_ERR);
 }
 
-fn scenario_ordering(relay: &mut Relay, link: &mut Link) {
-    const N: u64 = 100_000;
-    out(&format!("to-target order {N}"));
+/// `n` WRITE+SEND pairs, each SEND waited for; the target checks every SEND finds its WRITE.
+fn scenario_ordering(relay: &mut Relay, link: &mut Link, n: u64) {
+    out(&format!("to-target order {n}"));
     let (laddr, lkey) = (link.local.addr(), unsafe { (*link.local_mr).lkey });
-    for i in 0..N {
+    for i in 0..n {
         unsafe { (link.local.ptr as *mut u64).write_volatile(i) };
         let mut wsge = [ibv_sge {
             addr: laddr,

@@ -1,5 +1,5 @@
 //! The layers import only the ones below them (README "Layout", docs/design.md):
-//! sys ← ucp ← engine ← fake_verbs ← cm ← capi. This test reads the sources and fails when a
+//! sys ← ucp ← engine ← fake_verbs ← cm ← rsocket ← capi. This test reads the sources and fails when a
 //! lower layer names a higher one, so the engine never again reaches up into verbs semantics.
 
 use std::path::{Path, PathBuf};
@@ -42,7 +42,10 @@ fn upward_references(layer: &str, higher: &[&str]) -> Vec<String> {
 
 #[test]
 fn the_ucx_wrappers_name_no_layer_above_them() {
-    let found = upward_references("ucp", &["engine", "fake_verbs", "cm", "capi", "ugdr"]);
+    let found = upward_references(
+        "ucp",
+        &["engine", "fake_verbs", "cm", "rsocket", "capi", "ugdr"],
+    );
     assert!(
         found.is_empty(),
         "src/ucp reaches up:\n{}",
@@ -52,7 +55,7 @@ fn the_ucx_wrappers_name_no_layer_above_them() {
 
 #[test]
 fn the_engine_names_nothing_of_the_verbs_layer_or_above() {
-    let found = upward_references("engine", &["fake_verbs", "cm", "capi", "ugdr"]);
+    let found = upward_references("engine", &["fake_verbs", "cm", "rsocket", "capi", "ugdr"]);
     assert!(
         found.is_empty(),
         "src/engine reaches up:\n{}",
@@ -62,7 +65,7 @@ fn the_engine_names_nothing_of_the_verbs_layer_or_above() {
 
 #[test]
 fn the_verbs_semantics_name_neither_the_connection_manager_nor_the_c_abi() {
-    let found = upward_references("fake_verbs", &["cm", "capi"]);
+    let found = upward_references("fake_verbs", &["cm", "rsocket", "capi"]);
     assert!(
         found.is_empty(),
         "src/fake_verbs reaches up:\n{}",
@@ -72,6 +75,16 @@ fn the_verbs_semantics_name_neither_the_connection_manager_nor_the_c_abi() {
 
 #[test]
 fn the_connection_manager_does_not_reach_into_the_c_abi() {
-    let found = upward_references("cm", &["capi"]);
+    let found = upward_references("cm", &["rsocket", "capi"]);
     assert!(found.is_empty(), "src/cm reaches up:\n{}", found.join("\n"));
+}
+
+#[test]
+fn rsockets_sit_on_the_connection_manager_below_the_c_abi() {
+    let found = upward_references("rsocket", &["capi"]);
+    assert!(
+        found.is_empty(),
+        "src/rsocket reaches up:\n{}",
+        found.join("\n")
+    );
 }

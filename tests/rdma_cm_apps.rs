@@ -203,6 +203,40 @@ fn rdma_server_and_rdma_client() {
     assert!(c.contains("rdma_client: end 0"), "{c}");
 }
 
+/// `rdma_xserver -c x` / `rdma_xclient -c x`: XRC over rdma_cm (RDMA_PS_IB, an XRC_RECV id
+/// whose XRC SRQ number travels in the accept's private data, an XRC_SEND id whose inline
+/// SEND names it); both wait for their completion and exit 0 only if every call succeeded.
+#[test]
+fn rdma_xserver_and_rdma_xclient() {
+    let port = free_port();
+    let p = port.to_string();
+    let (s, c) = programs(
+        ("rdma_xserver", &["-c", "x", "-p", &p]),
+        ("rdma_xclient", &["-c", "x", "-s", "127.0.0.1", "-p", &p]),
+        port,
+        60,
+    );
+    assert!(s.contains("rdma_xserver: end 0"), "{s}");
+    assert!(c.contains("rdma_xclient: end 0"), "{c}");
+}
+
+#[test]
+fn rdma_xserver_and_rdma_xclient_across_two_hosts() {
+    let ns = NetnsPair::new("rx");
+    let port = free_port();
+    let p = port.to_string();
+    let (so, co) = ns.run_pingpong(
+        ns.command(&ns.a, "rdma_xserver", &["-c", "x", "-p", &p]),
+        ns.command(&ns.b, "rdma_xclient", &["-c", "x", "-s", ADDR_A, "-p", &p]),
+        port,
+        Duration::from_secs(60),
+    );
+    assert_success(&so, "rdma_xserver in namespace A");
+    assert_success(&co, "rdma_xclient in namespace B");
+    assert!(stdout(&so).contains("rdma_xserver: end 0"), "{}", text(&so));
+    assert!(stdout(&co).contains("rdma_xclient: end 0"), "{}", text(&co));
+}
+
 fn perftest_r(program: &str) {
     let port = free_port();
     let p = port.to_string();

@@ -269,9 +269,15 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
     out.hw_ver = a.hw_ver;
     out.max_qp = a.max_qp;
     out.max_qp_wr = a.max_qp_wr;
+    // Memory windows (type 1 and 2B), LOCAL_INV and SEND_WITH_INV: the memory management
+    // extensions (no fast-registration MRs: rdma-core's user space has no verb for them).
     out.device_cap_flags = (ibv_device_cap_flags::IBV_DEVICE_RC_RNR_NAK_GEN.0
-        | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0)
-        as c_uint;
+        | ibv_device_cap_flags::IBV_DEVICE_PORT_ACTIVE_EVENT.0
+        | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW.0
+        | ibv_device_cap_flags::IBV_DEVICE_MEM_MGT_EXTENSIONS.0
+        | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0
+        | ibv_device_cap_flags::IBV_DEVICE_XRC.0) as c_uint;
+    out.max_mw = crate::fake_verbs::mw::MAX_WINDOWS;
     out.max_sge = a.max_sge;
     out.max_sge_rd = a.max_sge_rd;
     out.max_cq = a.max_cq;
@@ -348,6 +354,7 @@ pub(crate) unsafe extern "C" fn query_device_ex_op(
                 ud_odp_caps: device::odp::UD_CAPS,
             },
         };
+        out.xrc_odp_caps = device::odp::XRC_CAPS;
         out.completion_timestamp_mask = clock::COMPLETION_TIMESTAMP_MASK;
         out.hca_core_clock = clock::HCA_CORE_CLOCK_KHZ;
         out.max_dm_size = device::MAX_DM_SIZE;

@@ -253,8 +253,11 @@ pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
             };
         }
         // SAFETY: its context is ours, so it is an MrShell.
-        if let Some(shell) = unsafe { MrShell::from_raw(mr) } {
-            shell.inner.deregister();
+        if let Some(shell) = unsafe { MrShell::from_raw(mr) }
+            && let Err(e) = shell.inner.deregister()
+        {
+            tracing::debug!("ibv_dereg_mr: {e}");
+            return c_int::fail(e.errno());
         }
         // SAFETY: ours; the application gives it up here.
         unsafe { MrShell::destroy(mr) };

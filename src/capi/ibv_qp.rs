@@ -12,7 +12,9 @@ use crate::fake_verbs::qp::{
     AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps, QueuePair,
 };
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
-use crate::fake_verbs::work::{RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination};
+use crate::fake_verbs::work::{
+    InlineData, RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination,
+};
 use crate::sys::*;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_void};
@@ -29,7 +31,10 @@ const UD_SEND_OPS: u64 = (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND.0
     | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_IMM.0) as u64;
 const UC_SEND_OPS: u64 = UD_SEND_OPS
     | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
-        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0) as u64;
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_LOCAL_INV.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_BIND_MW.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_SEND_WITH_INV.0) as u64;
 const RC_SEND_OPS: u64 = UC_SEND_OPS
     | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0
         | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
@@ -39,7 +44,7 @@ fn supported_send_ops(qp_type: u32) -> u64 {
     match QpType::from_raw(qp_type) {
         Some(QpType::Rc) => RC_SEND_OPS,
         Some(QpType::Uc) => UC_SEND_OPS,
-        Some(QpType::Ud) => UD_SEND_OPS,
+        Some(QpType::Ud | QpType::XrcSend) => UD_SEND_OPS,
         _ => 0,
     }
 }
@@ -50,7 +55,7 @@ const SUPPORTED_INIT_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0
 
 /// # Safety
 /// `cq` is NULL or a valid `ibv_cq`.
-unsafe fn our_cq<'a>(cq: *mut ibv_cq) -> Option<&'a CqShell> {
+pub(crate) unsafe fn our_cq<'a>(cq: *mut ibv_cq) -> Option<&'a CqShell> {
     if cq.is_null() {
         return None;
     }
@@ -105,8 +110,13 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
     let pd_shell = unsafe { PdShell::from_raw(args.pd) }.ok_or(VerbsError::Invalid("pd"))?;
     // SAFETY: the application's CQ pointers (or NULL), ownership checked.
     let send_cq = unsafe { our_cq(args.send_cq) }.ok_or(VerbsError::Invalid("send_cq"))?;
-    // SAFETY: as above.
-    let recv_cq = unsafe { our_cq(args.recv_cq) }.ok_or(VerbsError::Invalid("recv_cq"))?;
+    let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
+    // An XRC_SEND QP has no receive queue (and no receive CQ).
+    let recv_cq = match qp_type {
+        QpType::XrcSend => send_cq,
+        // SAFETY: as above.
+        _ => unsafe { our_cq(args.recv_cq) }.ok_or(VerbsError::Invalid("recv_cq"))?,
+    };
     let srq = if args.srq.is_null() {
         None
     } else {
@@ -117,11 +127,9 @@ fn create_qp(args: &CreateQp) -> Result<(*mut ibv_qp, ibv_qp_cap), VerbsError> {
                 .inner,
         ))
     };
-    let qp_type = QpType::from_raw(args.qp_type).ok_or(VerbsError::Invalid("qp_type"))?;
-    if !matches!(qp_type, QpType::Rc | QpType::Uc | QpType::Ud) {
-        // XRC (and raw packet) QPs: not carried, as on a device without XRC support.
-        return Err(VerbsError::Unsupported(
-            "queue pair type (ugdr carries RC, UC and UD queue pairs)",
+    if qp_type == QpType::XrcRecv {
+        return Err(VerbsError::Invalid(
+            "an XRC_RECV QP is made on an xrcd (ibv_create_qp_ex, IBV_QP_INIT_ATTR_XRCD)",
         ));
     }
     // A QP created through a parent domain with an allocator lives in its memory.
@@ -231,6 +239,9 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         }
         // SAFETY: the caller's attribute struct, checked non-NULL.
         let a = unsafe { &mut *attr };
+        if a.qp_type == ibv_qp_type::IBV_QPT_XRC_RECV {
+            return super::ibv_xrc::create_target_qp(ctx, a);
+        }
         let flags_given = a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0 != 0;
         // The one creation flag ugdr has: a UD QP that does not get its own multicasts.
         let no_loopback = ibv_qp_create_flags::IBV_QP_CREATE_BLOCK_SELF_MCAST_LB.0;
@@ -435,43 +446,9 @@ pub unsafe extern "C" fn ibv_modify_qp(
             Ok(r) => r,
             Err(e) => return status(Err(e)),
         };
-        let engine = match Engine::get() {
-            Ok(e) => e,
-            Err(e) => return status(Err(e.into())),
-        };
-        let qp_obj = &shell.inner;
-        // Resolving may ask another host: do it before taking the worker lock.
-        let to_rtr = req.state == Some(QpState::Rtr)
-            && qp_obj.state() == QpState::Init
-            && req.mask.contains(AttrMask::AV);
-        let remote = if to_rtr {
-            let av = &req.attrs.ah;
-            match engine.resolve(av.dlid, av.is_global.then_some(&av.grh.dgid)) {
-                Ok(addr) => Some(addr),
-                Err(e) => {
-                    tracing::warn!(
-                        "qp {:#x}: lid {:#06x} qpn {:#x}: {e}",
-                        qp_obj.qp_num,
-                        av.dlid,
-                        req.attrs.dest_qp_num
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let locked = engine.worker.lock();
-        let peer = match remote {
-            Some(target) => match engine.connect(&locked, &target, req.attrs.dest_qp_num) {
-                Ok(p) => Some(p),
-                Err(e) => return status(Err(e.into())),
-            },
-            None => None,
-        };
-        match qp_obj.modify(&locked, &req, peer) {
+        match shell.inner.modify_resolving(&req) {
             Ok(state) => {
-                // SAFETY: `state` is read by the application; written only here, under the lock.
+                // SAFETY: `state` is read by the application; only ibv_modify_qp writes it.
                 unsafe { (*shell.as_raw()).qp_base.state = ibv_qp_state(state.to_raw()) };
                 0
             }
@@ -548,6 +525,10 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
             // As the kernel's uverbs: a QP still attached to a multicast group stays.
             return c_int::fail(libc::EBUSY);
         }
+        // SAFETY: ours; not used again when it was one of several handles.
+        if unsafe { super::ibv_xrc::close_target_handle(qp, shell) } {
+            return 0;
+        }
         if let Ok(engine) = Engine::get() {
             let locked = engine.worker.lock();
             shell.inner.flush_ack(&locked);
@@ -607,12 +588,16 @@ pub(crate) unsafe fn read_sges<S: AppSge>(
     Ok(out)
 }
 
-/// Copies the bytes of inline SGEs (their lkeys are not used: rdma_post_send passes 0).
-fn inline_bytes(sges: &[Sge]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+/// Copies the bytes of inline SGEs (their lkeys are not used: rdma_post_send passes 0), in
+/// place when they are few.
+///
+/// # Safety
+/// Every SGE names application bytes readable during the call.
+pub(crate) unsafe fn inline_bytes(sges: &[Sge]) -> InlineData {
+    let mut out = InlineData::new();
     for s in sges {
         if s.length > 0 {
-            // SAFETY: the application's inline buffer, valid during the post call.
+            // SAFETY: the caller's contract.
             out.extend_from_slice(unsafe {
                 std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
             });
@@ -656,7 +641,8 @@ unsafe fn send_request(
         if sges.iter().map(|s| u64::from(s.length)).sum::<u64>() > u64::from(caps.max_inline_data) {
             return Err(VerbsError::Invalid("inline data above max_inline_data"));
         }
-        Some(inline_bytes(&sges))
+        // SAFETY: an inline WR's SGEs name the application's bytes, valid during the post.
+        Some(unsafe { inline_bytes(&sges) })
     } else {
         None
     };
@@ -670,6 +656,9 @@ unsafe fn send_request(
                 w.wr.atomic.compare_add,
                 w.wr.atomic.swap,
             ),
+            SendOpcode::LocalInv | SendOpcode::SendWithInv => {
+                (0, 0, w.__bindgen_anon_1.invalidate_rkey, 0, 0)
+            }
             _ => (
                 w.__bindgen_anon_1.imm_data,
                 w.wr.rdma.remote_addr,
@@ -687,6 +676,14 @@ unsafe fn send_request(
     } else {
         None
     };
+    let bind = if opcode == SendOpcode::BindMw {
+        // SAFETY: a BIND_MW WR carries the `bind_mw` member of the union.
+        let b = unsafe { &w.__bindgen_anon_2.bind_mw };
+        // SAFETY: the application's window and region (or NULL).
+        Some(unsafe { super::ibv_mw::posted_bind(b.mw, b.rkey, &b.bind_info) }?)
+    } else {
+        None
+    };
     Ok(SendRequest {
         wr_id: w.wr_id,
         opcode,
@@ -701,6 +698,13 @@ unsafe fn send_request(
         compare_add,
         swap,
         ud,
+        bind,
+        xrc_srqn: if qp_type == QpType::XrcSend {
+            // SAFETY: an XRC_SEND QP's WRs carry the `xrc` member of the union.
+            unsafe { w.qp_type.xrc.remote_srqn }
+        } else {
+            0
+        },
     })
 }
 
@@ -721,24 +725,54 @@ pub(crate) unsafe extern "C" fn post_send(
         };
         let qp_obj = &shell.inner;
         let locked = engine.worker.lock();
+        engine.note_post();
         let mut cur = wr;
-        while !cur.is_null() {
-            // SAFETY: `cur` walks the application's NULL-terminated WR list.
-            let result = unsafe { send_request(cur, &qp_obj.caps, qp_obj.qp_type) }
-                .and_then(|req| qp_obj.post_send(&locked, req));
-            if let Err(e) = result {
-                tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
-                if !bad_wr.is_null() {
-                    // SAFETY: the caller's out-parameter.
-                    unsafe { *bad_wr = cur };
-                }
-                return e.errno();
+        let requests = std::iter::from_fn(|| {
+            if cur.is_null() {
+                return None;
             }
+            // SAFETY: `cur` walks the application's NULL-terminated WR list.
+            let req = unsafe { send_request(cur, &qp_obj.caps, qp_obj.qp_type) };
             // SAFETY: as above.
             cur = unsafe { (*cur).next };
+            Some(req)
+        });
+        match qp_obj.post_send_list(&locked, requests) {
+            Ok(()) => 0,
+            Err((index, e)) => {
+                tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
+                if !bad_wr.is_null() {
+                    // SAFETY: the list holds at least `index + 1` WRs (the failing one was read);
+                    // `bad_wr` is the caller's out-parameter.
+                    unsafe { *bad_wr = nth_wr(wr, index) };
+                }
+                e.errno()
+            }
         }
-        0
     })
+}
+
+/// The `index`th WR of a NULL-terminated WR list (`ibv_send_wr` or `ugdr_send_wr`).
+///
+/// # Safety
+/// The list holds more than `index` WRs.
+pub(crate) unsafe fn nth_wr<W: WrList>(mut wr: *mut W, index: usize) -> *mut W {
+    for _ in 0..index {
+        // SAFETY: the caller's contract.
+        wr = unsafe { (*wr).next_wr() };
+    }
+    wr
+}
+
+/// A C work request that links to the next one of its list.
+pub(crate) trait WrList {
+    fn next_wr(&self) -> *mut Self;
+}
+
+impl WrList for ibv_send_wr {
+    fn next_wr(&self) -> *mut Self {
+        self.next
+    }
 }
 
 /// `ibv_context_ops.post_recv`, with the same list semantics as `post_send`.
@@ -791,7 +825,7 @@ pub(crate) unsafe extern "C" fn post_recv(
 /// # Safety
 /// Installed only on ugdr's QPs; the `ibv_wr_*` API is used by one thread per QP between
 /// `ibv_wr_start` and `ibv_wr_complete`/`ibv_wr_abort`.
-unsafe fn batch<'a>(qp: *mut ibv_qp_ex) -> (&'a QpShell, &'a mut WrBatch) {
+pub(crate) unsafe fn batch<'a>(qp: *mut ibv_qp_ex) -> (&'a QpShell, &'a mut WrBatch) {
     // SAFETY: forwarded contract.
     let shell = unsafe { QpShell::from_raw(qp).expect("wr op called with NULL") };
     // SAFETY: single builder thread per QP (the API's rule).
@@ -799,23 +833,14 @@ unsafe fn batch<'a>(qp: *mut ibv_qp_ex) -> (&'a QpShell, &'a mut WrBatch) {
     (shell, b)
 }
 
-fn new_request(qp: *mut ibv_qp_ex, opcode: SendOpcode) -> SendRequest {
+pub(crate) fn new_request(qp: *mut ibv_qp_ex, opcode: SendOpcode) -> SendRequest {
     // SAFETY: the application writes wr_id/wr_flags before each builder call; read them raw.
     let (wr_id, flags) = unsafe { ((*qp).wr_id, (*qp).wr_flags) };
     SendRequest {
-        wr_id,
-        opcode,
-        sges: SgeList::new(),
-        inline_data: None,
-        imm_data: 0,
         signaled: flags & SEND_SIGNALED != 0,
         solicited: flags & SEND_SOLICITED != 0,
         fence: flags & SEND_FENCE != 0,
-        remote_addr: 0,
-        rkey: 0,
-        compare_add: 0,
-        swap: 0,
-        ud: None,
+        ..SendRequest::new(wr_id, opcode)
     }
 }
 
@@ -969,10 +994,10 @@ unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, l
             return;
         }
         let data = if length == 0 {
-            Vec::new()
+            InlineData::new()
         } else {
             // SAFETY: the application's inline buffer, valid during this call.
-            unsafe { std::slice::from_raw_parts(addr as *const u8, length) }.to_vec()
+            InlineData::from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, length) })
         };
         with_last(b, |r| r.inline_data = Some(data));
     })
@@ -998,7 +1023,7 @@ unsafe extern "C" fn wr_set_inline_data_list(
             b.error.get_or_insert(libc::EINVAL);
             return;
         }
-        let mut data = Vec::new();
+        let mut data = InlineData::new();
         for i in 0..num_buf {
             // SAFETY: the caller's array of `num_buf` buffers (within the limit checked above).
             let buf = unsafe { &*buf_list.add(i) };
@@ -1029,12 +1054,14 @@ unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
             return libc::EINVAL;
         };
         let locked = engine.worker.lock();
-        for req in requests {
-            if let Err(e) = shell.inner.post_send(&locked, req) {
-                return e.errno();
-            }
+        engine.note_post();
+        match shell
+            .inner
+            .post_send_list(&locked, requests.into_iter().map(Ok))
+        {
+            Ok(()) => 0,
+            Err((_, e)) => e.errno(),
         }
-        0
     })
 }
 
@@ -1061,9 +1088,6 @@ macro_rules! refused_builder {
     };
 }
 
-refused_builder!(wr_bind_mw, *mut ibv_mw, u32, *const ibv_mw_bind_info);
-refused_builder!(wr_local_inv, u32);
-refused_builder!(wr_send_inv, u32);
 refused_builder!(wr_send_tso, *mut c_void, u16, u16);
 
 unsafe extern "C" fn wr_set_ud_addr(
@@ -1088,7 +1112,19 @@ unsafe extern "C" fn wr_set_ud_addr(
         }
     })
 }
-refused_builder!(wr_set_xrc_srqn, u32);
+
+/// `ibv_wr_set_xrc_srqn`: the SRQ at the target of the last XRC_SEND request built.
+unsafe extern "C" fn wr_set_xrc_srqn(qp: *mut ibv_qp_ex, remote_srqn: u32) {
+    ffi_boundary!("ibv_wr_set_xrc_srqn", {
+        // SAFETY: see `batch`.
+        let (shell, b) = unsafe { batch(qp) };
+        if shell.inner.qp_type != QpType::XrcSend {
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        with_last(b, |r| r.xrc_srqn = remote_srqn);
+    })
+}
 refused_builder!(wr_atomic_write, u32, u64, *const c_void);
 
 pub(crate) fn install_wr_ops(qp: &mut ibv_qp_ex) {
@@ -1103,12 +1139,12 @@ pub(crate) fn install_wr_ops(qp: &mut ibv_qp_ex) {
     qp.wr_set_inline_data_list = Some(wr_set_inline_data_list);
     qp.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
     qp.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
-    qp.wr_bind_mw = Some(wr_bind_mw);
-    qp.wr_local_inv = Some(wr_local_inv);
+    qp.wr_bind_mw = Some(super::ibv_mw::wr_bind_mw);
+    qp.wr_local_inv = Some(super::ibv_mw::wr_local_inv);
     qp.wr_rdma_read = Some(wr_rdma_read);
     qp.wr_rdma_write = Some(wr_rdma_write);
     qp.wr_rdma_write_imm = Some(wr_rdma_write_imm);
-    qp.wr_send_inv = Some(wr_send_inv);
+    qp.wr_send_inv = Some(super::ibv_mw::wr_send_inv);
     qp.wr_send_tso = Some(wr_send_tso);
     qp.wr_set_ud_addr = Some(wr_set_ud_addr);
     qp.wr_set_xrc_srqn = Some(wr_set_xrc_srqn);

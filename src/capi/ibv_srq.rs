@@ -33,7 +33,11 @@ pub(crate) unsafe fn our_srq<'a>(srq: *mut ibv_srq) -> Option<&'a SrqShell> {
     unsafe { SrqShell::from_raw(srq) }
 }
 
-fn create(pd: *mut ibv_pd, srq_context: *mut c_void, attr: &mut ibv_srq_attr) -> *mut ibv_srq {
+pub(super) fn create(
+    pd: *mut ibv_pd,
+    srq_context: *mut c_void,
+    attr: &mut ibv_srq_attr,
+) -> *mut ibv_srq {
     // SAFETY: callers checked that the PD's context is ugdr's.
     let Some(pd_shell) = (unsafe { PdShell::from_raw(pd) }) else {
         return <*mut ibv_srq>::fail(libc::EINVAL);
@@ -82,7 +86,7 @@ pub unsafe extern "C" fn ibv_create_srq(
     })
 }
 
-/// `verbs_context.create_srq_ex`: basic SRQs (XRC and tag matching are not carried).
+/// `verbs_context.create_srq_ex`: basic and XRC SRQs (tag matching is not carried).
 pub(crate) unsafe extern "C" fn create_srq_ex_op(
     ctx: *mut ibv_context,
     attr: *mut ibv_srq_init_attr_ex,
@@ -93,6 +97,11 @@ pub(crate) unsafe extern "C" fn create_srq_ex_op(
         }
         // SAFETY: the caller's attribute struct, checked non-NULL.
         let a = unsafe { &mut *attr };
+        let xrc = a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0 != 0
+            && a.srq_type == ibv_srq_type::IBV_SRQT_XRC;
+        if xrc {
+            return super::ibv_xrc::create_xrc_srq(ctx, a);
+        }
         let supported = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0
             | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0;
         if a.comp_mask & !supported != 0

@@ -9,10 +9,12 @@ use crate::fake_verbs::context::DeviceContext;
 use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
 use crate::fake_verbs::dm::DeviceMemory;
 use crate::fake_verbs::mr::MemoryRegion;
+use crate::fake_verbs::mw::MemoryWindow;
 use crate::fake_verbs::pd::{ParentDomain, ParentUse, ProtectionDomain, ThreadDomain};
 use crate::fake_verbs::qp::QueuePair;
 use crate::fake_verbs::srq::SharedReceiveQueue;
 use crate::fake_verbs::work::{SendRequest, WorkCompletion};
+use crate::fake_verbs::xrc::XrcdHandle;
 use crate::sys::*;
 use dashmap::{DashMap, DashSet};
 use rustc_hash::FxBuildHasher;
@@ -156,8 +158,16 @@ shell!(
     MrShell, ibv_mr, MemoryRegion
 );
 shell!(
+    /// `ibv_mw`.
+    MwShell, ibv_mw, MemoryWindow
+);
+shell!(
     /// `ibv_srq`.
     SrqShell, ibv_srq, SharedReceiveQueue
+);
+shell!(
+    /// `ibv_xrcd`.
+    XrcdShell, ibv_xrcd, XrcdHandle
 );
 shell!(
     /// `ibv_ah`.

@@ -6,8 +6,8 @@
 use super::boundary::set_errno;
 use super::{
     ibv_cq as cq_exports, ibv_device as device_exports, ibv_dm as dm_exports,
-    ibv_domain as domain_exports, ibv_pd_mr as mr_exports, ibv_qp as qp_exports,
-    ibv_srq as srq_exports,
+    ibv_domain as domain_exports, ibv_mw as mw_exports, ibv_pd_mr as mr_exports,
+    ibv_qp as qp_exports, ibv_srq as srq_exports, ibv_xrc as xrc_exports,
 };
 use crate::sys::*;
 use std::os::raw::c_int;
@@ -44,9 +44,9 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     ops.post_send = Some(qp_exports::post_send);
     ops.post_recv = Some(qp_exports::post_recv);
     ops.post_srq_recv = Some(srq_exports::post_srq_recv);
-    ops.alloc_mw = unsupported!(fn(*mut ibv_pd, ibv_mw_type) -> *mut ibv_mw);
-    ops.bind_mw = unsupported!(fn(*mut ibv_qp, *mut ibv_mw, *mut ibv_mw_bind) -> c_int);
-    ops.dealloc_mw = unsupported!(fn(*mut ibv_mw) -> c_int);
+    ops.alloc_mw = Some(mw_exports::alloc_mw_op);
+    ops.bind_mw = Some(mw_exports::bind_mw_op);
+    ops.dealloc_mw = Some(mw_exports::dealloc_mw_op);
 
     vctx.query_port = Some(device_exports::query_port_op);
     vctx.query_device_ex = Some(device_exports::query_device_ex_op);
@@ -86,11 +86,11 @@ pub(crate) fn install_context_ops(vctx: &mut verbs_context) {
     vctx.ibv_create_flow = unsupported!(fn(*mut ibv_qp, *mut ibv_flow_attr) -> *mut ibv_flow);
     vctx.ABI_placeholder1 = Some(abi_placeholder);
     vctx.ABI_placeholder2 = Some(abi_placeholder);
-    vctx.open_qp = unsupported!(fn(*mut ibv_context, *mut ibv_qp_open_attr) -> *mut ibv_qp);
-    vctx.get_srq_num = unsupported!(fn(*mut ibv_srq, *mut u32) -> c_int);
+    vctx.open_qp = Some(xrc_exports::open_qp_op);
+    vctx.get_srq_num = Some(xrc_exports::get_srq_num_op);
     vctx.create_srq_ex = Some(srq_exports::create_srq_ex_op);
-    vctx.open_xrcd = unsupported!(fn(*mut ibv_context, *mut ibv_xrcd_init_attr) -> *mut ibv_xrcd);
-    vctx.close_xrcd = unsupported!(fn(*mut ibv_xrcd) -> c_int);
+    vctx.open_xrcd = Some(xrc_exports::open_xrcd_op);
+    vctx.close_xrcd = Some(xrc_exports::close_xrcd_op);
 }
 
 /// `ABI_placeholder1/2` are never called by rdma-core 44's inlines (rdma-core copies the flow

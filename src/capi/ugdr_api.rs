@@ -458,8 +458,11 @@ pub unsafe extern "C" fn ugdr_dereg_mr(mr: *mut ugdr_mr) -> c_int {
         // SAFETY: returned by ugdr_reg_mr (an UgdrMr whose first field is the ugdr_mr); the
         // application gives it up here.
         let owned = unsafe { Box::from_raw(mr.cast::<UgdrMr>()) };
-        owned.inner.deregister();
-        0
+        // The ugdr_* API binds no memory windows, so nothing keeps its regions busy.
+        match owned.inner.deregister() {
+            Ok(()) => 0,
+            Err(e) => c_int::fail(e.errno()),
+        }
     })
 }
 
@@ -738,15 +741,9 @@ unsafe fn send_request(w: &ugdr_send_wr, caps: &QpCaps) -> Result<SendRequest, V
         if total > u64::from(caps.max_inline_data) {
             return Err(VerbsError::Invalid("inline data above the QP's limit"));
         }
-        let mut bytes = Vec::with_capacity(total as usize);
-        for s in sges.iter().filter(|s| s.length > 0) {
-            // SAFETY: inline SGEs name application bytes valid during this call (their lkeys
-            // are not used, as in verbs).
-            bytes.extend_from_slice(unsafe {
-                std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
-            });
-        }
-        Some(bytes)
+        // SAFETY: inline SGEs name application bytes valid during this call (their lkeys are
+        // not used, as in verbs).
+        Some(unsafe { super::ibv_qp::inline_bytes(&sges) })
     } else {
         None
     };
@@ -764,6 +761,8 @@ unsafe fn send_request(w: &ugdr_send_wr, caps: &QpCaps) -> Result<SendRequest, V
         compare_add: 0,
         swap: 0,
         ud: None,
+        bind: None,
+        xrc_srqn: 0,
     })
 }
 
@@ -785,25 +784,37 @@ pub unsafe extern "C" fn ugdr_post_send(
             return c_int::fail(libc::EINVAL);
         };
         let locked = engine.worker.lock();
+        engine.note_post();
         let mut cur = wr;
-        while !cur.is_null() {
+        let requests = std::iter::from_fn(|| {
+            if cur.is_null() {
+                return None;
+            }
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
             let w = unsafe { &*cur };
+            cur = w.next;
             // SAFETY: as above.
-            let result =
-                unsafe { send_request(w, &q.caps) }.and_then(|req| q.post_send(&locked, req));
-            if let Err(e) = result {
+            Some(unsafe { send_request(w, &q.caps) })
+        });
+        match q.post_send_list(&locked, requests) {
+            Ok(()) => 0,
+            Err((index, e)) => {
                 tracing::debug!("qp {:#x}: ugdr_post_send: {e}", q.qp_num);
                 if !bad_wr.is_null() {
-                    // SAFETY: the caller's out-parameter.
-                    unsafe { *bad_wr = cur };
+                    // SAFETY: the list holds at least `index + 1` WRs (the failing one was
+                    // read); `bad_wr` is the caller's out-parameter.
+                    unsafe { *bad_wr = super::ibv_qp::nth_wr(wr, index) };
                 }
-                return c_int::fail(e.errno());
+                c_int::fail(e.errno())
             }
-            cur = w.next;
         }
-        0
     })
+}
+
+impl super::ibv_qp::WrList for ugdr_send_wr {
+    fn next_wr(&self) -> *mut Self {
+        self.next
+    }
 }
 
 /// Posts receive WRs, with `ugdr_post_send`'s list semantics.

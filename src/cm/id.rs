@@ -123,6 +123,8 @@ pub(super) struct State {
     pub(super) initiator_depth: u8,
     pub(super) retry_count: u8,
     pub(super) rnr_retry_count: u8,
+    /// `RDMA_OPTION_ID_ACK_TIMEOUT`: the local ACK timeout code for the QP's RTS.
+    pub(super) ack_timeout: Option<u8>,
     pub(super) qp: Option<Arc<QueuePair>>,
     /// A passive id's listener (for its backlog).
     pub(super) listen_id: Option<Arc<CmId>>,
@@ -195,6 +197,7 @@ impl CmId {
                 initiator_depth: 0,
                 retry_count: 7,
                 rnr_retry_count: 7,
+                ack_timeout: None,
                 qp: None,
                 listen_id: None,
                 connect_prefix: Vec::new(),

@@ -12,8 +12,12 @@ use crate::fake_verbs::mr::{ACCESS_REMOTE_ATOMIC, ACCESS_REMOTE_READ, ACCESS_REM
 use crate::fake_verbs::qp::{ModifyRequest, QpAttributes};
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
 
-/// The local ACK timeout of a connected QP (4.096 µs · 2^14, about 67 ms).
-const ACK_TIMEOUT: u8 = 14;
+/// The local ACK timeout of a connected QP unless the application sets one
+/// (`RDMA_OPTION_ID_ACK_TIMEOUT`): 4.096 µs · 2^18, about 1.07 s, what the kernel's CM computes
+/// for a RoCE path (packet lifetime 16) to a HCA with an ACK delay of 16, as ConnectX reports.
+/// ugdr's acknowledgements come from the peer's CPU, so a shorter one would fail connections
+/// whose peer is merely descheduled for a few hundred milliseconds on a loaded host.
+pub(super) const ACK_TIMEOUT: u8 = 18;
 /// The RNR NAK timer a connected QP's responder asks for (IB code 12: 0.64 ms).
 const MIN_RNR_TIMER: u8 = 12;
 /// The states a connected QP passes through to carry traffic.
@@ -39,6 +43,8 @@ pub struct QpParams {
     pub initiator_depth: u8,
     pub retry_count: u8,
     pub rnr_retry_count: u8,
+    /// The local ACK timeout code the QP gets in RTS.
+    pub ack_timeout: u8,
 }
 
 /// How a QP addresses `peer`: by GID (the engine finds it on this or another host).
@@ -101,15 +107,18 @@ impl QpParams {
                 a.path_mtu = PATH_MTU_4096;
                 a.dest_qp_num = peer.qpn;
                 a.rq_psn = peer.psn;
-                a.max_dest_rd_atomic = self.responder_resources;
-                a.min_rnr_timer = MIN_RNR_TIMER;
-                AttrMask::STATE
+                let connect = AttrMask::STATE
                     | AttrMask::AV
                     | AttrMask::PATH_MTU
                     | AttrMask::DEST_QPN
-                    | AttrMask::RQ_PSN
-                    | AttrMask::MAX_DEST_RD_ATOMIC
-                    | AttrMask::MIN_RNR_TIMER
+                    | AttrMask::RQ_PSN;
+                if self.qp_type == QpType::XrcSend.to_raw() {
+                    connect // an XRC initiator has no responder side (the kernel CM's masks)
+                } else {
+                    a.max_dest_rd_atomic = self.responder_resources;
+                    a.min_rnr_timer = MIN_RNR_TIMER;
+                    connect | AttrMask::MAX_DEST_RD_ATOMIC | AttrMask::MIN_RNR_TIMER
+                }
             }
             QpState::Rts if ud => {
                 a.sq_psn = 0;
@@ -119,7 +128,17 @@ impl QpParams {
                 if self.peer.is_none() {
                     return Err(CmError::Invalid("no peer to connect the QP to"));
                 }
-                a.timeout = ACK_TIMEOUT;
+                a.timeout = self.ack_timeout;
+                a.sq_psn = self.local_psn;
+                if self.qp_type == QpType::XrcRecv.to_raw() {
+                    // An XRC target sends nothing of its own (the kernel CM's masks).
+                    return Ok(ModifyRequest {
+                        mask: AttrMask::STATE | AttrMask::TIMEOUT | AttrMask::SQ_PSN,
+                        state: Some(state),
+                        claimed_cur: None,
+                        attrs: a,
+                    });
+                }
                 a.retry_cnt = self.retry_count.min(7);
                 a.rnr_retry = self.rnr_retry_count.min(7);
                 a.sq_psn = self.local_psn;
@@ -166,7 +185,18 @@ impl CmId {
             initiator_depth: s.initiator_depth,
             retry_count: s.retry_count,
             rnr_retry_count: s.rnr_retry_count,
+            ack_timeout: s.ack_timeout.unwrap_or(ACK_TIMEOUT),
         }
+    }
+
+    /// `RDMA_OPTION_ID_ACK_TIMEOUT`: the local ACK timeout code (4.096 µs · 2^code) the id's
+    /// QP gets when it moves to RTS from now on; connected (RC) ids only, as the kernel's.
+    pub fn set_ack_timeout(&self, code: u8) -> Result<(), CmError> {
+        if self.qp_type == QpType::Ud.to_raw() {
+            return Err(CmError::Invalid("ACK timeout of a datagram id"));
+        }
+        self.state().ack_timeout = Some(code.min(31));
+        Ok(())
     }
 
     /// `rdma_init_qp_attr`: the modify that moves this id's QP to `state` (None: a value

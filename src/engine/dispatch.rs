@@ -7,8 +7,8 @@
 
 use super::wire::Header;
 use crate::ucp::{AmPayload, Endpoint, LockedWorker};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The receiving end of one QP number. Every call runs inside progress (or a verbs call),
@@ -73,15 +73,27 @@ pub struct Peer {
 /// or the progress thread runs out of work.
 static OWED_ACKS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 static OWED_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// When the oldest ACK on the list became owed (µs since [`epoch`]; 0: none owed).
+static OWED_SINCE_US: AtomicU64 = AtomicU64::new(0);
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn now_us() -> u64 {
+    (epoch().elapsed().as_micros() as u64).max(1)
+}
 
 /// QP `qpn` holds an ACK back, hoping to piggyback it: the engine sends it (through
-/// [`MessageReceiver::send_owed_ack`]) when nothing else is going on.
+/// [`MessageReceiver::send_owed_ack`]) when nothing else is going on, and at the latest once
+/// it has waited [`OWED_ACK_MAX_WAIT`].
 pub fn owe_ack(qpn: u32) {
-    OWED_ACKS
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(qpn);
-    OWED_COUNT.fetch_add(1, Ordering::AcqRel);
+    let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
+    owed.push(qpn);
+    if OWED_COUNT.fetch_add(1, Ordering::AcqRel) == 0 {
+        OWED_SINCE_US.store(now_us(), Ordering::Release);
+    }
 }
 
 /// The QPs that owe an ACK, emptying the list (cheap when it is empty).
@@ -91,7 +103,19 @@ pub(super) fn take_owed_acks() -> Vec<u32> {
     }
     let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
     OWED_COUNT.store(0, Ordering::Release);
+    OWED_SINCE_US.store(0, Ordering::Release);
     std::mem::take(&mut *owed)
+}
+
+/// The longest an owed ACK waits for a message to ride on or for the application to run out
+/// of work: a peer's requester must never stall (or retransmit) because this process keeps
+/// polling, or keeps finding work, without ever sending.
+pub const OWED_ACK_MAX_WAIT: Duration = Duration::from_micros(200);
+
+/// Whether some ACK has been owed for longer than [`OWED_ACK_MAX_WAIT`].
+pub(super) fn owed_acks_overdue() -> bool {
+    let since = OWED_SINCE_US.load(Ordering::Acquire);
+    since != 0 && now_us().saturating_sub(since) > OWED_ACK_MAX_WAIT.as_micros() as u64
 }
 
 /// QPs whose transport timer runs (by QP number), ticked by the progress thread.

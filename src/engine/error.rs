@@ -12,6 +12,9 @@ pub enum EngineError {
     /// No usable secret to authenticate peers with (`engine::auth`).
     #[error("{message}")]
     Secret { errno: i32, message: String },
+    /// A setting in the environment that ugdr refuses (named in the message).
+    #[error("{0}")]
+    Config(String),
     #[error("destination port not found")]
     Unreachable,
     #[error("the engine is shutting down")]
@@ -25,7 +28,7 @@ impl EngineError {
             EngineError::Transport(t) => t.errno(),
             EngineError::Os(e) => *e,
             EngineError::Directory { errno, .. } | EngineError::Secret { errno, .. } => *errno,
-            EngineError::Unreachable => libc::EINVAL,
+            EngineError::Unreachable | EngineError::Config(_) => libc::EINVAL,
             EngineError::Stopped => libc::ENODEV,
         }
     }

@@ -14,9 +14,10 @@
 //! * Only peers that prove the user's secret get this process's address or are heard
 //!   ([`auth`]): `dispatch` passes every message through the gate first, and every endpoint
 //!   the engine creates opens with a hello.
-//! * The progress thread sleeps on the worker's event fd, so completions reach CQs and
-//!   completion channels, and peers' messages are answered, while the application does not
-//!   call into ugdr at all. `ibv_poll_cq` also progresses (if the lock is free), for latency.
+//! * The progress thread ([`progress`]) keeps completions reaching CQs and completion
+//!   channels, peers' messages answered and the QPs' transport timers running while the
+//!   application does not call into ugdr at all; how it waits is [`ProgressMode`]
+//!   (`UGDR_PROGRESS`). `ibv_poll_cq` also progresses (if the lock is free), for latency.
 
 #![forbid(unsafe_code)]
 
@@ -26,17 +27,19 @@ pub mod direct;
 mod dispatch;
 mod error;
 pub mod multicast;
+mod progress;
 pub mod wire;
 
 pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, arm_timer, owe_ack};
 pub use error::EngineError;
+pub use progress::{ProgressConfig, ProgressMode};
 
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
 use address::{Directory, HostNetwork, LidClaim, Resolved};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub struct Engine {
@@ -57,9 +60,10 @@ pub struct Engine {
     pub memory: Option<direct::LocalMemory>,
     pub query_service: Result<u16, String>,
     stopping: Arc<AtomicBool>,
-    /// Counts `ibv_poll_cq` progress calls, so the progress thread can stand aside while the
-    /// application busy-polls (two threads fighting over the worker cost more than either).
-    app_polls: Arc<AtomicU64>,
+    /// How the progress thread waits for work (`UGDR_PROGRESS`, `UGDR_PROGRESS_SPIN_US`).
+    pub progress: ProgressConfig,
+    /// What the application's threads tell the progress thread (polls, posts).
+    activity: Arc<progress::Activity>,
     progress_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -74,25 +78,8 @@ struct PeerProcess {
 
 static ENGINE: OnceLock<Result<Engine, EngineError>> = OnceLock::new();
 
-/// How long the progress thread steps aside while the application busy-polls, and how many
-/// empty polls in that time count as busy-polling (a spinning application polls thousands of
-/// times in it). A short window, because an application may alternate between polling its CQ
-/// and spinning on memory a peer writes (ib_write_lat): the first window without polls hands
-/// progress back to this thread. Measured here: a 1 ms window kept ibv_rc_pingpong ~40%
-/// faster but made ib_write_lat wait ~1 ms per message; 50 µs costs some ping-pong latency
-/// and brings ib_write_lat to ~150 µs (the event fd wake-up on this VM dominates).
-const BUSY_POLL_WINDOW: std::time::Duration = std::time::Duration::from_micros(50);
-const BUSY_POLL_THRESHOLD: u64 = 8;
-
-/// An application that polls an empty CQ this many times in a row is not about to send: the
-/// ACKs it owes go out alone.
-const EMPTY_POLLS_PER_ACK_FLUSH: u64 = 8;
-
 /// How long an exiting process keeps progressing so that its last ACKs leave.
 const EXIT_DRAIN: std::time::Duration = std::time::Duration::from_millis(5);
-
-/// How often the progress thread checks that local peers are alive.
-const PEER_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The host network as seen before the engine starts (device GUIDs need it, UCX does not).
 pub fn host_network() -> &'static HostNetwork {
@@ -122,6 +109,11 @@ impl Engine {
     }
 
     fn start() -> Result<Engine, EngineError> {
+        let progress = ProgressConfig::from_env().map_err(|e| {
+            // Said even with logging off: the device does not open, and this is why.
+            eprintln!("ugdr: {e}; ugdr0 does not open");
+            EngineError::Config(e)
+        })?;
         let context = ucp::Context::new()?;
         let worker = Worker::new(context)?;
         worker.set_am_handler(wire::AM_ID, Box::new(dispatch))?;
@@ -154,11 +146,11 @@ impl Engine {
         let progress_worker = Arc::clone(&worker);
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = Arc::clone(&stopping);
-        let app_polls = Arc::new(AtomicU64::new(0));
-        let polls = Arc::clone(&app_polls);
+        let activity = Arc::new(progress::Activity::default());
+        let seen = Arc::clone(&activity);
         let progress_thread = std::thread::Builder::new()
             .name("ugdr-progress".into())
-            .spawn(move || progress_loop(&progress_worker, &stop, &polls))
+            .spawn(move || progress::run(&progress_worker, &stop, &seen, progress))
             .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         let memory = if direct::enabled() {
             direct::LocalMemory::new(lid)
@@ -168,9 +160,10 @@ impl Engine {
             None
         };
         tracing::debug!(
-            "engine up: lid {lid:#06x} ip {} address {} bytes",
+            "engine up: lid {lid:#06x} ip {} address {} bytes, progress {}",
             network.ipv4,
-            address.len()
+            address.len(),
+            progress.mode.name()
         );
         Ok(Engine {
             worker,
@@ -186,7 +179,8 @@ impl Engine {
             memory,
             query_service,
             stopping,
-            app_polls,
+            progress,
+            activity,
             progress_thread: Mutex::new(Some(progress_thread)),
         })
     }
@@ -365,16 +359,17 @@ impl Engine {
     }
 
     /// Progress from an application thread whose CQ was empty (ibv_poll_cq): skipped when
-    /// another thread is already progressing. Every few empty polls, the ACKs owed to peers
-    /// go out on their own (until then they ride on the application's next sends).
+    /// another thread is already progressing. Once the application has found nothing new
+    /// several times in a row, the ACKs owed to peers go out on their own (until then they
+    /// ride on the application's next sends).
     pub fn progress_from_app(&self) {
-        let polls = self.app_polls.fetch_add(1, Ordering::Relaxed);
-        if let Some(locked) = self.worker.try_lock() {
-            locked.progress();
-            if polls % EMPTY_POLLS_PER_ACK_FLUSH == EMPTY_POLLS_PER_ACK_FLUSH - 1 {
-                self.flush_owed_acks(&locked);
-            }
-        }
+        self.activity.progress_from_app(self);
+    }
+
+    /// The application posted work (an answer is expected soon: the adaptive progress thread
+    /// stays awake for it).
+    pub fn note_post(&self) {
+        self.activity.posted();
     }
 
     /// Progress from a thread blocked for a completion event whose wait saw the worker's
@@ -482,7 +477,7 @@ pub fn random_u32() -> u32 {
 }
 
 /// Runs the QPs' transport timers when a tick is due (a few instructions when not).
-fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
+pub(super) fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
     let now = std::time::Instant::now();
     if now < *next_tick || !dispatch::timers_armed() {
         return;
@@ -494,48 +489,5 @@ fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
     while locked.progress() > 0 {}
     if let Some(engine) = Engine::running() {
         engine.tick_timers(&locked);
-    }
-}
-
-fn progress_loop(worker: &Worker, stopping: &AtomicBool, app_polls: &AtomicU64) {
-    let efd = worker.event_fd();
-    let mut last_peer_check = std::time::Instant::now();
-    let mut polls_seen = app_polls.load(Ordering::Relaxed);
-    let mut next_tick = std::time::Instant::now();
-    while !stopping.load(Ordering::Acquire) {
-        // Transport timers run whether the application sleeps or busy-polls.
-        tick_if_due(worker, &mut next_tick);
-        let polls = app_polls.load(Ordering::Relaxed);
-        if polls.wrapping_sub(polls_seen) >= BUSY_POLL_THRESHOLD {
-            // The application is spinning in ibv_poll_cq and progresses the worker itself. A
-            // window without such polls (it blocks, or spins on memory a peer writes, as
-            // ib_write_lat does) hands progress back to this thread.
-            polls_seen = polls;
-            std::thread::sleep(BUSY_POLL_WINDOW);
-            continue;
-        }
-        polls_seen = polls;
-        {
-            let locked = worker.lock();
-            while locked.progress() > 0 {}
-            if let Some(engine) = Engine::running() {
-                engine.flush_owed_acks(&locked);
-            }
-            if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
-                last_peer_check = std::time::Instant::now();
-                if let Some(engine) = Engine::running() {
-                    engine.check_local_peers(&locked);
-                }
-            }
-            if !locked.arm() {
-                continue;
-            }
-        }
-        let wait_ms = if dispatch::timers_armed() {
-            TIMER_TICK.as_millis() as i32
-        } else {
-            100
-        };
-        ucp::wait_readable(&[efd], wait_ms);
     }
 }

@@ -269,7 +269,7 @@ impl Engine {
         h.dst_qpn = MULTICAST_QPN;
         let members = self.multicast_members(mgid);
         if !members.is_empty() {
-            let mut framed = Vec::with_capacity(16 + data.len());
+            let mut framed = crate::ucp::OwnedBytes::with_capacity(16 + data.len());
             framed.extend_from_slice(mgid);
             framed.extend_from_slice(data);
             let encoded = h.encode();

@@ -16,7 +16,7 @@
 //! | 16 | 4 | packet sequence number: 24 bits, per QP connection, from the requester's `sq_psn` (which the responder's `rq_psn` must match) |
 //! | 20 | 4 | immediate data (as posted: network byte order) |
 //! | 24 | 8 | remote address (RDMA operations) |
-//! | 32 | 4 | rkey (RDMA operations) |
+//! | 32 | 4 | rkey (RDMA operations; a SEND with [`FLAG_INV`]: the key to invalidate) |
 //! | 36 | 4 | length (RDMA READ: bytes requested) |
 //! | 40 | 4 | piggybacked ACK: every message of the reverse direction up to this sequence number was delivered (valid with [`FLAG_ACK`]) |
 //!
@@ -42,10 +42,12 @@ pub const FLAG_DATAGRAM: u8 = 1 << 3;
 pub const FLAG_GRH: u8 = 1 << 4;
 /// A UC message: no acknowledgement, dropped when it finds no receive.
 pub const FLAG_UNRELIABLE: u8 = 1 << 5;
+/// A SEND_WITH_INV: `rkey` is the responder's memory window to invalidate.
+pub const FLAG_INV: u8 = 1 << 6;
 /// A UD datagram to a multicast group (destination QPN 0xFFFFFF): the payload starts with
 /// the group's 16-byte MGID, and the receiving process hands the rest to each of its QPs
 /// attached to the group (`engine::multicast`).
-pub const FLAG_MULTICAST: u8 = 1 << 6;
+pub const FLAG_MULTICAST: u8 = 1 << 7;
 
 /// Message kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -66,6 +66,8 @@ pub mod odp {
     pub const RC_CAPS: u32 = SEND | RECV | WRITE | READ | ATOMIC | SRQ_RECV;
     pub const UC_CAPS: u32 = SEND | RECV | WRITE | SRQ_RECV;
     pub const UD_CAPS: u32 = SEND | RECV | SRQ_RECV;
+    /// XRC carries SENDs into XRC SRQs.
+    pub const XRC_CAPS: u32 = SEND | SRQ_RECV;
 }
 
 impl DeviceAttributes {

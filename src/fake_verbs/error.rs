@@ -59,6 +59,7 @@ impl From<crate::engine::EngineError> for VerbsError {
                 VerbsError::Os(errno)
             }
             EngineError::Unreachable => VerbsError::Invalid("destination port not found"),
+            EngineError::Config(_) => VerbsError::Invalid("a UGDR_* setting in the environment"),
             EngineError::Stopped => VerbsError::NoDevice,
         }
     }

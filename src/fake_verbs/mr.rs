@@ -113,7 +113,8 @@ fn unused_key(map: &DashMap<u32, Arc<Registration>, FxBuildHasher>, slot: Option
             Some(s) => (r << 12) | u32::from(s),
             None => r,
         };
-        if key != 0 && !map.contains_key(&key) {
+        // Never a key whose upper 24 bits name a memory window (whose low 8 bits vary).
+        if key != 0 && !map.contains_key(&key) && !super::mw::reserves(key) {
             return key;
         }
     }
@@ -240,6 +241,23 @@ impl Registration {
     pub fn is_on_demand(&self) -> bool {
         self.region.is_on_demand()
     }
+
+    /// The span of `[addr, addr + len)` (in the iova space), if the registration is live and
+    /// the range inside it (and, on demand, mapped now; `write`: writable).
+    pub fn span_at(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
+        if !self.region.is_live() {
+            return None;
+        }
+        let offset = addr.checked_sub(self.iova)?;
+        let start = self.region.addr().checked_add(offset)?;
+        self.region.span_for(start, len, write)
+    }
+}
+
+/// Whether an rkey of a registration starts with `prefix` (its upper 24 bits): such a prefix
+/// cannot name a memory window.
+pub fn rkey_prefix_in_use(prefix: u32) -> bool {
+    (0..=0xffu32).any(|low| BY_RKEY.contains_key(&(prefix << 8 | low)))
 }
 
 impl MemoryRegion {
@@ -342,9 +360,19 @@ impl MemoryRegion {
         self.current().rkey
     }
 
-    /// A memory window was bound to this region (type 1 bind, or a type 2 bind WR).
-    pub fn adopt_window(&self) {
+    /// A memory window is bound to this region (type 1 bind, or a type 2 bind WR): the
+    /// registration it reaches, which stays in force while the window is bound (no
+    /// re-registration or deregistration until then). EINVAL once deregistered.
+    pub fn adopt_window(&self) -> Result<Arc<Registration>, VerbsError> {
+        let current = self.current();
+        let live = BY_LKEY
+            .get(&current.lkey)
+            .is_some_and(|r| Arc::ptr_eq(r.value(), &current));
+        if !live {
+            return Err(VerbsError::Invalid("memory region deregistered"));
+        }
         self.windows.fetch_add(1, Ordering::AcqRel);
+        Ok(Arc::clone(&current))
     }
 
     /// A memory window bound to this region was unbound, invalidated or deallocated.
@@ -407,9 +435,17 @@ impl MemoryRegion {
     }
 
     /// Revokes the keys at once; operations already holding the MR finish, and no same-host
-    /// peer reads or writes it directly once this returns.
-    pub fn deregister(&self) {
-        let reg = Arc::clone(&self.current());
+    /// peer reads or writes it directly once this returns. A region with memory windows bound
+    /// to it is EINVAL, as rxe's (the man page: "fails if any memory window is still bound").
+    pub fn deregister(&self) -> Result<(), VerbsError> {
+        let current = self.current();
+        if self.windows.load(Ordering::Acquire) != 0 {
+            return Err(VerbsError::Invalid(
+                "memory windows are bound to the region",
+            ));
+        }
+        let reg = Arc::clone(&current);
+        drop(current);
         BY_LKEY.remove(&reg.lkey);
         BY_RKEY.remove(&reg.rkey);
         reg.withdraw();
@@ -420,6 +456,7 @@ impl MemoryRegion {
             dm.release_user();
         }
         reg.pd.release_child();
+        Ok(())
     }
 }
 
@@ -482,13 +519,14 @@ pub fn remote_span(
     access: u32,
 ) -> Option<AppSpan> {
     let mr = BY_RKEY.get(&rkey).map(|r| Arc::clone(r.value()))?;
-    if !Arc::ptr_eq(&mr.pd, pd) || mr.access & access != access || !mr.region.is_live() {
+    if !Arc::ptr_eq(&mr.pd, pd) || mr.access & access != access {
         return None;
     }
-    let offset = addr.checked_sub(mr.iova)?;
-    let start = mr.region.addr().checked_add(offset)?;
-    let write = access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0;
-    mr.region.span_for(start, len, write)
+    mr.span_at(
+        addr,
+        len,
+        access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0,
+    )
 }
 
 /// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, local write for receive
@@ -499,12 +537,38 @@ pub fn local_spans(
     sges: &[Sge],
     need_write: bool,
 ) -> Option<SmallVec<[AppSpan; 4]>> {
+    local_spans_cached(pd, sges, need_write, &mut KeyCache::default())
+}
+
+/// The MR an lkey named last, while one WR list is posted: the SGEs of a list mostly name
+/// the same MR, so it is looked up once per list instead of once per SGE.
+#[derive(Default)]
+pub struct KeyCache {
+    last: Option<Arc<Registration>>,
+}
+
+impl KeyCache {
+    fn by_lkey(&mut self, lkey: u32) -> Option<&Arc<Registration>> {
+        if self.last.as_ref().is_none_or(|mr| mr.lkey != lkey) {
+            self.last = Some(BY_LKEY.get(&lkey).map(|r| Arc::clone(r.value()))?);
+        }
+        self.last.as_ref()
+    }
+}
+
+/// [`local_spans`], looking lkeys up through `cache`.
+pub fn local_spans_cached(
+    pd: &Arc<ProtectionDomain>,
+    sges: &[Sge],
+    need_write: bool,
+    cache: &mut KeyCache,
+) -> Option<SmallVec<[AppSpan; 4]>> {
     let mut spans = SmallVec::new();
     for sge in sges {
         if sge.length == 0 {
             continue;
         }
-        let mr = BY_LKEY.get(&sge.lkey).map(|r| Arc::clone(r.value()))?;
+        let mr = cache.by_lkey(sge.lkey)?;
         if !Arc::ptr_eq(&mr.pd, pd) || !mr.region.is_live() {
             return None;
         }
@@ -540,7 +604,7 @@ mod tests {
         let a = buf.as_ptr() as u64;
         let mr = MemoryRegion::register(&pd, AppRegion::on_demand(a, 8192), a, ODP_RW).unwrap();
         let lkey = mr.lkey();
-        mr.adopt_window();
+        mr.adopt_window().unwrap();
         let busy = mr.reregister(&pd, AppRegion::on_demand(a, 4096), a, ODP_RW);
         assert!(matches!(busy, Err(VerbsError::Busy(_))), "{busy:?}");
         assert_eq!(busy.unwrap_err().errno(), libc::EBUSY);
@@ -555,7 +619,7 @@ mod tests {
             remote_span(&pd, mr.rkey(), a + 4000, 97, ACCESS_REMOTE_WRITE).is_none(),
             "the old length is gone"
         );
-        mr.deregister();
+        mr.deregister().unwrap();
         assert_eq!(pd.check_deallocatable(), Ok(()));
     }
 
@@ -590,7 +654,7 @@ mod tests {
         // Implicit ODP needs the on-demand flag and iova 0.
         assert!(MemoryRegion::register(&pd, whole(), 4096, ODP_RW).is_err());
         assert!(MemoryRegion::register(&pd, whole(), 0, ACCESS_LOCAL_WRITE).is_err());
-        mr.deregister();
+        mr.deregister().unwrap();
     }
 
     #[test]
@@ -611,7 +675,7 @@ mod tests {
         assert!(matches!(dm.check_freeable(), Err(VerbsError::Busy(_))));
         let moved = mr.reregister(&pd, AppRegion::on_demand(0, u64::MAX), 0, ODP_RW);
         assert!(matches!(moved, Err(VerbsError::Invalid(_))), "{moved:?}");
-        mr.deregister();
+        mr.deregister().unwrap();
         assert_eq!(dm.check_freeable(), Ok(()));
         assert!(matches!(dm.span(8000, 193), Err(VerbsError::Invalid(_))));
     }

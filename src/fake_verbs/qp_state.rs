@@ -75,6 +75,11 @@ impl QpType {
         Self::ALL.into_iter().find(|t| t.to_raw() == v)
     }
 
+    /// Acknowledged, connected transports: RC and XRC (its send and receive halves).
+    pub fn reliable(self) -> bool {
+        matches!(self, Self::Rc | Self::XrcSend | Self::XrcRecv)
+    }
+
     /// The `enum ibv_qp_type` value.
     pub fn to_raw(self) -> u32 {
         match self {

@@ -4,11 +4,12 @@ use super::context::{DeviceContext, EVENT_SRQ_LIMIT_REACHED};
 use super::pd::ProtectionDomain;
 use super::qp::QueuePair;
 use super::work::RecvRequest;
+use super::xrc::{self, XrcSrq};
 use super::{VerbsError, device};
 use crate::ucp::LockedWorker;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 struct Queue {
     wrs: VecDeque<RecvRequest>,
@@ -26,6 +27,8 @@ pub struct SharedReceiveQueue {
     users: AtomicUsize,
     /// QPs holding messages until a WR is posted here.
     starving: Mutex<Vec<Weak<QueuePair>>>,
+    /// Set once for an XRC SRQ (`IBV_SRQT_XRC`): its number, domain and CQ.
+    xrc: OnceLock<XrcSrq>,
 }
 
 impl SharedReceiveQueue {
@@ -58,11 +61,22 @@ impl SharedReceiveQueue {
             }),
             users: AtomicUsize::new(0),
             starving: Mutex::new(Vec::new()),
+            xrc: OnceLock::new(),
         }))
     }
 
     fn queue(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes this SRQ an XRC SRQ (see [`xrc::attach_srq`]).
+    pub(super) fn make_xrc(&self, x: XrcSrq) {
+        let _ = self.xrc.set(x);
+    }
+
+    /// Its XRC number, domain and CQ, for an XRC SRQ.
+    pub fn xrc(&self) -> Option<&XrcSrq> {
+        self.xrc.get()
     }
 
     pub fn set_handle(&self, h: usize) {
@@ -162,6 +176,9 @@ impl SharedReceiveQueue {
     pub fn destroy(&self) -> Result<(), VerbsError> {
         if self.users.load(Ordering::Acquire) != 0 {
             return Err(VerbsError::Busy("srq still used by queue pairs"));
+        }
+        if let Some(x) = self.xrc.get() {
+            xrc::detach_srq(x);
         }
         self.pd.release_child();
         Ok(())

@@ -2,6 +2,7 @@
 //! `ibv_recv_wr`, to `ibv_wc`). Numeric values match rdma-core's enums.
 
 use super::ah::AddressHandle;
+use super::mw::BindRequest;
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -15,6 +16,9 @@ pub struct Sge {
 
 pub type SgeList = SmallVec<[Sge; 4]>;
 
+/// The bytes of an IBV_SEND_INLINE request (small ones without a heap allocation).
+pub type InlineData = crate::ucp::OwnedBytes;
+
 /// `enum ibv_wr_opcode`, the ones ugdr carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SendOpcode {
@@ -25,6 +29,12 @@ pub enum SendOpcode {
     RdmaRead,
     AtomicCmpAndSwp,
     AtomicFetchAndAdd,
+    /// Invalidates a type 2 memory window of this process (`rkey`: its key).
+    LocalInv,
+    /// Binds a memory window ([`SendRequest::bind`]).
+    BindMw,
+    /// A SEND that invalidates the peer's memory window `rkey` (remote invalidation).
+    SendWithInv,
 }
 
 impl SendOpcode {
@@ -38,6 +48,9 @@ impl SendOpcode {
             4 => SendOpcode::RdmaRead,
             5 => SendOpcode::AtomicCmpAndSwp,
             6 => SendOpcode::AtomicFetchAndAdd,
+            7 => SendOpcode::LocalInv,
+            8 => SendOpcode::BindMw,
+            9 => SendOpcode::SendWithInv,
             _ => return None,
         })
     }
@@ -45,11 +58,13 @@ impl SendOpcode {
     /// The completion opcode a send-queue completion of this request carries.
     pub fn completion_opcode(self) -> WcOpcode {
         match self {
-            SendOpcode::Send | SendOpcode::SendWithImm => WcOpcode::Send,
+            SendOpcode::Send | SendOpcode::SendWithImm | SendOpcode::SendWithInv => WcOpcode::Send,
             SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => WcOpcode::RdmaWrite,
             SendOpcode::RdmaRead => WcOpcode::RdmaRead,
             SendOpcode::AtomicCmpAndSwp => WcOpcode::CompSwap,
             SendOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
+            SendOpcode::LocalInv => WcOpcode::LocalInv,
+            SendOpcode::BindMw => WcOpcode::BindMw,
         }
     }
 }
@@ -61,18 +76,24 @@ pub struct SendRequest {
     pub opcode: SendOpcode,
     pub sges: SgeList,
     /// The bytes of an IBV_SEND_INLINE request, copied at post time.
-    pub inline_data: Option<Vec<u8>>,
+    pub inline_data: Option<InlineData>,
     /// imm_data exactly as the application stored it (network byte order).
     pub imm_data: u32,
     pub signaled: bool,
     pub solicited: bool,
     pub fence: bool,
     pub remote_addr: u64,
+    /// The remote key of RDMA and atomics; for LOCAL_INV and SEND_WITH_INV the key to
+    /// invalidate (`invalidate_rkey`).
     pub rkey: u32,
     pub compare_add: u64,
     pub swap: u64,
     /// UD: where the datagram goes (`wr.ud`, or `ibv_wr_set_ud_addr`).
     pub ud: Option<UdDestination>,
+    /// BIND_MW: the window, the region and the range it is bound to.
+    pub bind: Option<Box<BindRequest>>,
+    /// XRC_SEND: the SRQ at the target (`qp_type.xrc.remote_srqn`, `ibv_wr_set_xrc_srqn`).
+    pub xrc_srqn: u32,
 }
 
 /// The destination of a UD send: an address handle, the remote QP and its Q_Key.
@@ -95,6 +116,27 @@ impl std::fmt::Debug for UdDestination {
 }
 
 impl SendRequest {
+    /// A request for `wr_id` with no data, keys or flags.
+    pub fn new(wr_id: u64, opcode: SendOpcode) -> SendRequest {
+        SendRequest {
+            wr_id,
+            opcode,
+            sges: SgeList::new(),
+            inline_data: None,
+            imm_data: 0,
+            signaled: false,
+            solicited: false,
+            fence: false,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+            ud: None,
+            bind: None,
+            xrc_srqn: 0,
+        }
+    }
+
     pub fn length(&self) -> u64 {
         match &self.inline_data {
             Some(d) => d.len() as u64,
@@ -152,6 +194,7 @@ impl WcStatus {
             11 => WcStatus::RemOpErr,
             12 => WcStatus::RetryExcErr,
             13 => WcStatus::RnrRetryExcErr,
+            6 => WcStatus::MwBindErr,
             _ => WcStatus::GeneralErr,
         }
     }
@@ -172,9 +215,10 @@ pub enum WcOpcode {
     RecvRdmaWithImm = 129,
 }
 
-/// `IBV_WC_WITH_IMM` and `IBV_WC_GRH` (`enum ibv_wc_flags`).
+/// `IBV_WC_WITH_IMM`, `IBV_WC_GRH` and `IBV_WC_WITH_INV` (`enum ibv_wc_flags`).
 pub const WC_WITH_IMM: u32 = 1 << 1;
 pub const WC_GRH: u32 = 1 << 0;
+pub const WC_WITH_INV: u32 = 1 << 3;
 
 /// A completion (`ibv_wc`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,6 +229,7 @@ pub struct WorkCompletion {
     pub vendor_err: u32,
     pub byte_len: u32,
     /// Network byte order, as the sender posted it; valid when `wc_flags` has WC_WITH_IMM.
+    /// With WC_WITH_INV: the rkey the sender invalidated (`invalidated_rkey`, host order).
     pub imm_data: u32,
     pub qp_num: u32,
     pub src_qp: u32,
@@ -198,6 +243,9 @@ pub struct WorkCompletion {
     pub completion_ts: u64,
     /// The wall clock then, in ns since the epoch (`..._TIMESTAMP_WALLCLOCK`), else 0.
     pub completion_wallclock_ns: u64,
+    /// The XRC SRQ a receive of an XRC target QP came from (0: none), as a CQE names it: the
+    /// completion goes to that SRQ's CQ.
+    pub xrc_srqn: u32,
 }
 
 impl WorkCompletion {
@@ -219,6 +267,7 @@ impl WorkCompletion {
             dlid_path_bits: 0,
             completion_ts: 0,
             completion_wallclock_ns: 0,
+            xrc_srqn: 0,
         }
     }
 }

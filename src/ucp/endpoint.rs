@@ -10,6 +10,10 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// Bytes a send carries by value: small ones (inline data, atomic operands and answers) live
+/// in place, without a heap allocation.
+pub type OwnedBytes = SmallVec<[u8; 64]>;
+
 /// What a send carries after its header.
 #[derive(Clone)]
 pub enum SendPayload {
@@ -17,7 +21,7 @@ pub enum SendPayload {
     /// Application memory (checked spans); must stay valid until the send completes.
     Spans(SmallVec<[AppSpan; 4]>),
     /// Bytes ugdr owns (inline data, replies); kept alive by the request.
-    Owned(Vec<u8>),
+    Owned(OwnedBytes),
 }
 
 /// What runs when an endpoint fails (under the worker lock, from progress).
@@ -56,14 +60,38 @@ unsafe impl Sync for Endpoint {}
 /// Runs when the send completes locally (buffers reusable), under the worker lock.
 pub type SendDone = Box<dyn FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send>;
 
-struct SendRequest {
+/// What UCX may keep of a pending send: the header, the IOV, owned bytes, and what runs when
+/// it completes. Pooled per worker ([`Worker::take_send_buffer`]).
+pub(super) struct SendRequest {
     worker: *const Worker,
     header: FullHeader,
     iov: SmallVec<[sys::ucp_dt_iov_t; 4]>,
-    _owned: Vec<u8>,
+    owned: OwnedBytes,
     /// The payload spans' regions, held until UCX is done with them.
-    _held: SmallVec<[Hold; 4]>,
+    held: SmallVec<[Hold; 4]>,
     done: Option<SendDone>,
+}
+
+impl SendRequest {
+    pub(super) fn new(worker: &Worker) -> Box<SendRequest> {
+        Box::new(SendRequest {
+            worker,
+            header: SmallVec::new(),
+            iov: SmallVec::new(),
+            owned: OwnedBytes::new(),
+            held: SmallVec::new(),
+            done: None,
+        })
+    }
+
+    /// Empties the buffer for its next send.
+    pub(super) fn clear(&mut self) {
+        self.header.clear();
+        self.iov.clear();
+        self.owned.clear();
+        self.held.clear();
+        self.done = None;
+    }
 }
 
 /// Whether a send finished inside the call or will call back from progress.
@@ -143,6 +171,11 @@ impl Endpoint {
     /// Sends active message `id` with `header` (then the endpoint's trailer) and `payload`.
     /// The header is copied; payload spans must stay valid until `done` runs. When the send
     /// finishes inside this call, returns `SendState::Done` and does not call `done`.
+    ///
+    /// No allocation once the worker's pool of send buffers is warm: a small message is
+    /// tried with UCX's short protocol (nothing to keep); otherwise the header, the IOV, owned
+    /// bytes and the spans' holds go into a pooled buffer that UCX may keep if the send stays
+    /// pending, with one UCX call, and `done` is boxed only then.
     pub fn am_send<F>(
         &self,
         locked: &LockedWorker<'_>,
@@ -154,80 +187,47 @@ impl Endpoint {
     where
         F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
     {
-        let _ = locked; // the proof that the worker lock is held
         // Application spans stay held while UCX may read them; spans whose region died since
         // they were checked read as zeros (see `memory`).
         let (payload, held) = match payload {
             SendPayload::Spans(spans) => match hold_all(&spans) {
                 Some(held) => (SendPayload::Spans(spans), held),
                 None => (
-                    SendPayload::Owned(vec![0; spans.iter().map(AppSpan::len).sum()]),
+                    SendPayload::Owned(OwnedBytes::from_elem(
+                        0,
+                        spans.iter().map(AppSpan::len).sum(),
+                    )),
                     SmallVec::new(),
                 ),
             },
             other => (other, SmallVec::new()),
         };
-        let mut full = FullHeader::from_slice(header);
-        full.extend_from_slice(&self.trailer);
-        let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match &payload {
-            SendPayload::None => SmallVec::new(),
-            SendPayload::Spans(spans) => spans
-                .iter()
-                .filter(|s| !s.is_empty())
-                .map(|s| sys::ucp_dt_iov_t {
-                    buffer: s.as_ptr() as *mut c_void,
-                    length: s.len(),
-                })
-                .collect(),
-            SendPayload::Owned(bytes) if bytes.is_empty() => SmallVec::new(),
-            SendPayload::Owned(bytes) => SmallVec::from_elem(
-                sys::ucp_dt_iov_t {
-                    buffer: bytes.as_ptr() as *mut c_void,
-                    length: bytes.len(),
-                },
-                1,
-            ),
-        };
-        // Fast path: a send UCX can finish inside the call (small messages) needs nothing kept
-        // alive, so nothing is allocated for it.
-        let (datatype, buf, count) = buffer_of(&iov);
-        let immediate = sys::ucp_request_param_t {
-            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0
-                | sys::ucp_op_attr_t::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0,
-            datatype,
-            ..Default::default()
-        };
-        // SAFETY: lock held; header, iov and the payload they point to outlive the call, and
-        // with FORCE_IMM_CMPL UCX either completes inside it or fails without keeping them.
-        let ret = unsafe {
-            self.worker.api().ucp_am_send_nbx(
-                self.handle.as_ptr(),
-                id,
-                full.as_ptr() as *const c_void,
-                full.len(),
-                buf,
-                count,
-                &immediate,
-            )
-        };
-        if ret.is_null() {
-            return Ok(SendState::Done);
+        let len = header.len()
+            + self.trailer.len()
+            + match &payload {
+                SendPayload::None => 0,
+                SendPayload::Spans(spans) => spans.iter().map(|s| s.len()).sum(),
+                SendPayload::Owned(bytes) => bytes.len(),
+            };
+        if len <= IMMEDIATE_MAX
+            && let Some(done_now) = self.send_immediate(id, header, &payload)
+        {
+            return done_now;
         }
-        if ucs::ptr_is_err(ret) && ucs::ptr_status(ret) != sys::ucs_status_t::UCS_ERR_NO_RESOURCE {
-            return Err(Error::from_status(ucs::ptr_status(ret)));
+        let mut req = self.worker.take_send_buffer(locked);
+        let r = &mut *req;
+        r.header.extend_from_slice(header);
+        r.header.extend_from_slice(&self.trailer);
+        r.held = held;
+        match payload {
+            SendPayload::None => {}
+            SendPayload::Spans(spans) => r.iov.extend(spans_iov(&spans)),
+            SendPayload::Owned(bytes) => {
+                // The bytes live in the (boxed) buffer now: point at them there.
+                r.owned = bytes;
+                r.iov.extend(bytes_iov(&r.owned));
+            }
         }
-        // Slow path: keep header, iov and owned bytes in a request the callback frees.
-        let mut req = Box::new(SendRequest {
-            worker: Arc::as_ptr(&self.worker),
-            header: full,
-            iov,
-            _owned: match payload {
-                SendPayload::Owned(bytes) => bytes,
-                _ => Vec::new(),
-            },
-            _held: held,
-            done: Some(Box::new(done)),
-        });
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
@@ -241,8 +241,9 @@ impl Endpoint {
         let (datatype, buf, count) = buffer_of(&req.iov);
         let param = sys::ucp_request_param_t { datatype, ..param };
         let (hdr, hdr_len) = (req.header.as_ptr() as *const c_void, req.header.len());
-        // SAFETY: lock held; header and iov live in `req`, which is leaked to the callback when
-        // the send is pending; payload spans are valid per SendPayload's contract.
+        // SAFETY: the worker lock is held (`locked`); header and iov live in the boxed buffer,
+        // which stays put (leaked to the callback) while the send is pending; payload spans
+        // are valid per SendPayload's contract.
         let ret = unsafe {
             self.worker.api().ucp_am_send_nbx(
                 self.handle.as_ptr(),
@@ -255,15 +256,93 @@ impl Endpoint {
             )
         };
         if ucs::ptr_is_ptr(ret) {
+            // Pending: UCX calls send_callback from a later progress, which needs the worker
+            // lock this thread holds, so `done` is in place before it can run.
+            req.done = Some(Box::new(done));
             let _ = Box::into_raw(req); // reclaimed by send_callback
-            Ok(SendState::Pending)
-        } else if ucs::ptr_is_err(ret) {
+            return Ok(SendState::Pending);
+        }
+        self.worker.return_send_buffer(locked, req);
+        if ucs::ptr_is_err(ret) {
             Err(Error::from_status(ucs::ptr_status(ret)))
         } else {
             Ok(SendState::Done)
         }
     }
 }
+
+impl Endpoint {
+    /// A send UCX can finish inside the call (its short protocol) needs nothing kept alive:
+    /// try that first for small messages. None when UCX could not (then nothing was sent).
+    fn send_immediate(
+        &self,
+        id: u32,
+        header: &[u8],
+        payload: &SendPayload,
+    ) -> Option<Result<SendState, Error>> {
+        let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match payload {
+            SendPayload::None => SmallVec::new(),
+            SendPayload::Spans(spans) => spans_iov(spans).collect(),
+            SendPayload::Owned(bytes) => bytes_iov(bytes).into_iter().collect(),
+        };
+        let mut full = FullHeader::from_slice(header);
+        full.extend_from_slice(&self.trailer);
+        let (datatype, buf, count) = buffer_of(&iov);
+        let immediate = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0,
+            datatype,
+            ..Default::default()
+        };
+        // SAFETY: the caller holds the worker lock (am_send's `locked`); header, iov and the
+        // payload they point to outlive the call, and with FORCE_IMM_CMPL UCX either completes
+        // inside it or fails without keeping them.
+        let ret = unsafe {
+            self.worker.api().ucp_am_send_nbx(
+                self.handle.as_ptr(),
+                id,
+                full.as_ptr() as *const c_void,
+                full.len(),
+                buf,
+                count,
+                &immediate,
+            )
+        };
+        if ret.is_null() {
+            Some(Ok(SendState::Done))
+        } else if ucs::ptr_is_err(ret)
+            && ucs::ptr_status(ret) != sys::ucs_status_t::UCS_ERR_NO_RESOURCE
+        {
+            Some(Err(Error::from_status(ucs::ptr_status(ret))))
+        } else {
+            None
+        }
+    }
+}
+
+/// The IOV entries of a payload's non-empty spans.
+fn spans_iov(spans: &[AppSpan]) -> impl Iterator<Item = sys::ucp_dt_iov_t> + '_ {
+    spans
+        .iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| sys::ucp_dt_iov_t {
+            buffer: s.as_ptr() as *mut c_void,
+            length: s.len(),
+        })
+}
+
+/// The IOV entry of owned bytes (none when empty).
+fn bytes_iov(bytes: &[u8]) -> Option<sys::ucp_dt_iov_t> {
+    (!bytes.is_empty()).then_some(sys::ucp_dt_iov_t {
+        buffer: bytes.as_ptr() as *mut c_void,
+        length: bytes.len(),
+    })
+}
+
+/// Messages up to this size (header included) are first tried with UCX's short protocol,
+/// which completes inside the call: shared memory's limit is a little above this (its FIFO
+/// elements are 128 bytes), TCP's far above. Larger ones go straight to one pooled send.
+const IMMEDIATE_MAX: usize = 96;
 
 /// UCX's buffer description for a gather list: one segment goes as a contiguous buffer (so
 /// small messages can use UCX's short protocol, which IOVs cannot), several as an IOV.
@@ -310,11 +389,12 @@ unsafe extern "C" fn send_callback(
         } else {
             Err(Error::from_status(status))
         };
+        // SAFETY: request returned by ucp_am_send_nbx, freed once.
+        unsafe { worker.api().ucp_request_free(request) };
         if let Some(done) = req.done.take() {
             done(&locked, result);
         }
-        // SAFETY: request returned by ucp_am_send_nbx, freed once.
-        unsafe { worker.api().ucp_request_free(request) };
+        worker.return_send_buffer(&locked, req);
     }));
 }
 

@@ -18,7 +18,7 @@ mod memory;
 mod status;
 mod worker;
 
-pub use endpoint::{Endpoint, ErrorHandler, SendDone, SendPayload, SendState};
+pub use endpoint::{Endpoint, ErrorHandler, OwnedBytes, SendDone, SendPayload, SendState};
 pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
     AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, anything_registered, gather,

@@ -1,6 +1,7 @@
 //! `ucp_context` and `ucp_worker`, the worker lock, active-message receive and waiting.
 
 use super::Error;
+use super::endpoint::SendRequest;
 use super::library::Ucx;
 use super::memory::{AppSpan, Hold, hold_all};
 use crate::sys::{self, ucs};
@@ -139,10 +140,17 @@ struct HandlerSlot {
     handler: Box<AmHandler>,
 }
 
+/// Most send buffers a worker keeps for reuse (as many as sends usually pending at once).
+const SEND_POOL_MAX: usize = 1024;
+
 /// A UCP worker in `UCS_THREAD_MODE_SERIALIZED`, with the lock that serializes it.
 pub struct Worker {
     handle: NonNull<sys::ucp_worker>,
     lock: Mutex<()>,
+    /// Send buffers for reuse (touched only under `lock`, so its own lock is never contended).
+    /// Boxed: UCX keeps pointers into a pending send's buffer, which must not move.
+    #[allow(clippy::vec_box)]
+    send_pool: Mutex<Vec<Box<SendRequest>>>,
     event_fd: RawFd,
     handlers: OnceLock<Box<HandlerSlot>>,
     context: Arc<Context>,
@@ -187,6 +195,7 @@ impl Worker {
         Ok(Arc::new(Worker {
             handle,
             lock: Mutex::new(()),
+            send_pool: Mutex::new(Vec::new()),
             event_fd,
             handlers: OnceLock::new(),
             context,
@@ -217,6 +226,26 @@ impl Worker {
                 _guard: Some(p.into_inner()),
             }),
             Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// A cleared send buffer from the pool (or a new one).
+    pub(super) fn take_send_buffer(&self, locked: &LockedWorker<'_>) -> Box<SendRequest> {
+        let _ = locked; // the pool is used under the worker lock only
+        self.send_pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_else(|| SendRequest::new(self))
+    }
+
+    /// Gives a send buffer back to the pool (kept up to [`SEND_POOL_MAX`] of them).
+    pub(super) fn return_send_buffer(&self, locked: &LockedWorker<'_>, mut req: Box<SendRequest>) {
+        let _ = locked;
+        req.clear();
+        let mut pool = self.send_pool.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < SEND_POOL_MAX {
+            pool.push(req);
         }
     }
 

@@ -75,11 +75,15 @@ static void eth_l2(struct ibv_context *ctx)
 
 static void rsockets(void)
 {
-    /* rsockets are not carried (issue 14 item 7): creation fails cleanly, so programs (and
-     * librspreload) fall back to plain sockets; no rsocket exists, so every other call sees
-     * a descriptor that is not one (EBADF) and leaves real descriptors alone. */
-    FAILS_WITH(rsocket(AF_INET, SOCK_STREAM, 0), -1, EOPNOTSUPP);
+    /* Stream rsockets are ugdr's own (tests/rsocket.rs); datagram rsockets are not carried
+     * yet and fail cleanly. A descriptor that is no rsocket is EBADF for every call, and
+     * real descriptors are left alone. */
+    int rs = rsocket(AF_INET, SOCK_STREAM, 0);
+    CHECK(rs >= 0, "rsocket(SOCK_STREAM)");
+    CHECK(rclose(rs) == 0, "rclose");
+    FAILS_WITH(rclose(rs), -1, EBADF);
     FAILS_WITH(rsocket(AF_INET6, SOCK_DGRAM, 0), -1, EOPNOTSUPP);
+    FAILS_WITH(rsocket(AF_UNIX, SOCK_STREAM, 0), -1, EAFNOSUPPORT);
     struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(1) };
     sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     struct sockaddr *sa = (struct sockaddr *)&sin;

@@ -356,11 +356,14 @@ pub fn run_pingpong(
     port: u16,
     timeout: Duration,
 ) -> (Output, Output) {
-    run_server_client(server, client, port, timeout, |p| {
-        let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
-            + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-        listening(p, &tcp)
-    })
+    run_server_client(server, client, port, timeout, listening_here)
+}
+
+/// Whether `port` listens on this host (in this test's network namespace).
+pub fn listening_here(port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
+        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    listening(port, &tcp)
 }
 
 /// Server and client arguments of an ibverbs-utils pingpong: `-p port opts` and the same
@@ -394,11 +397,19 @@ fn assert_pingpong_passed(program: &str, opts: &[&str], s: &Output, c: &Output) 
 /// `program` (an ibverbs-utils pingpong) as server and client with `opts` on this host: both
 /// must exit 0 and report the transfer.
 pub fn pingpong(program: &str, opts: &[&str], timeout_s: u64) {
+    pingpong_with_env(program, opts, &[], timeout_s);
+}
+
+/// [`pingpong`] with `env` set for both sides.
+pub fn pingpong_with_env(program: &str, opts: &[&str], env: &[(&str, &str)], timeout_s: u64) {
     let port = free_port().to_string();
     let (sargs, cargs) = pingpong_args(&port, opts, "127.0.0.1");
+    let (mut server, mut client) = (preloaded(program, &sargs), preloaded(program, &cargs));
+    server.envs(env.iter().copied());
+    client.envs(env.iter().copied());
     let (s, c) = run_pingpong(
-        preloaded(program, &sargs),
-        preloaded(program, &cargs),
+        server,
+        client,
         port.parse().unwrap(),
         Duration::from_secs(timeout_s),
     );

@@ -390,13 +390,23 @@ pub unsafe extern "C" fn rdma_set_option(
         if optval.is_null() {
             return fail(libc::EINVAL);
         }
-        // The options change nothing ugdr models (TOS, timeouts, reuse: the bind already
-        // reuses ports in TIME_WAIT), so they are checked and accepted.
+        // TOS, reuse and AFONLY change nothing ugdr models (the bind already reuses ports in
+        // TIME_WAIT), so they are checked and accepted; the ACK timeout is the QP's.
         let expected = match (level as u32, optname as u32) {
             (l, o) if l == RDMA_OPTION_ID.0 && o == RDMA_OPTION_ID_TOS.0 => Some(1),
             (l, o) if l == RDMA_OPTION_ID.0 && o == RDMA_OPTION_ID_REUSEADDR.0 => Some(4),
             (l, o) if l == RDMA_OPTION_ID.0 && o == RDMA_OPTION_ID_AFONLY.0 => Some(4),
-            (l, o) if l == RDMA_OPTION_ID.0 && o == RDMA_OPTION_ID_ACK_TIMEOUT.0 => Some(1),
+            (l, o) if l == RDMA_OPTION_ID.0 && o == RDMA_OPTION_ID_ACK_TIMEOUT.0 => {
+                if optlen != 1 {
+                    return fail(libc::EINVAL);
+                }
+                // SAFETY: optval is non-null and the caller says it holds optlen (1) bytes.
+                let code = unsafe { *(optval as *const u8) };
+                return match our_id(id).map(|s| s.inner.set_ack_timeout(code)) {
+                    Some(Err(e)) => fail(e.errno()),
+                    _ => 0,
+                };
+            }
             (l, o) if l == RDMA_OPTION_IB.0 && o == RDMA_OPTION_IB_PATH.0 => None,
             _ => return fail(libc::ENOSYS),
         };

@@ -131,6 +131,9 @@ fn create_cq(
 }
 
 fn destroy_cqs(raw: &mut rdma_cm_id) {
+    if raw.qp_type == ibv_qp_type::IBV_QPT_XRC_RECV && !raw.srq.is_null() {
+        return; // the XRC SRQ completes on the id's receive CQ: they go with it
+    }
     if !raw.recv_cq.is_null() {
         // SAFETY: CQs and channels here are the ones the CM created for this id.
         unsafe { ibv_destroy_cq(raw.recv_cq) };
@@ -172,6 +175,16 @@ fn create_qp(id: *mut rdma_cm_id, attr: &mut ibv_qp_init_attr_ex) -> c_int {
     }
     if attr.pd.is_null() || raw.verbs.is_null() {
         return fail(libc::EINVAL);
+    }
+    let xrcd_bit = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_XRCD.0;
+    if raw.qp_type == ibv_qp_type::IBV_QPT_XRC_RECV
+        && (attr.comp_mask & xrcd_bit == 0 || attr.xrcd.is_null())
+    {
+        match cm_xrcd(raw.verbs) {
+            Ok(x) => attr.xrcd = x,
+            Err(errno) => return fail(errno),
+        }
+        attr.comp_mask |= xrcd_bit;
     }
     if (!raw.recv_cq.is_null() && !attr.recv_cq.is_null() && raw.recv_cq != attr.recv_cq)
         || (!raw.send_cq.is_null() && !attr.send_cq.is_null() && raw.send_cq != attr.send_cq)
@@ -314,8 +327,26 @@ pub unsafe extern "C" fn rdma_create_srq(
         if attr.is_null() || pd.is_null() {
             return fail(libc::EINVAL);
         }
-        // SAFETY: the id's (or caller's) PD and the caller's attributes.
-        let srq = unsafe { ibv_create_srq(pd, attr) };
+        let srq = if raw.qp_type == ibv_qp_type::IBV_QPT_XRC_RECV {
+            // SAFETY: the caller's attributes, checked non-NULL.
+            let basic = unsafe { &mut *attr };
+            let mut ex = ibv_srq_init_attr_ex {
+                srq_context: basic.srq_context,
+                attr: basic.attr,
+                comp_mask: ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0,
+                pd,
+                ..Default::default()
+            };
+            let created = create_xrc_srq(raw, id, &mut ex);
+            basic.attr = ex.attr;
+            match created {
+                Ok(srq) => srq,
+                Err(errno) => return fail(errno),
+            }
+        } else {
+            // SAFETY: the id's (or caller's) PD and the caller's attributes.
+            unsafe { ibv_create_srq(pd, attr) }
+        };
         if srq.is_null() {
             return fail(errno_or(libc::EINVAL));
         }
@@ -331,17 +362,33 @@ pub unsafe extern "C" fn rdma_create_srq_ex(
     attr: *mut ibv_srq_init_attr_ex,
 ) -> c_int {
     cm_boundary!("rdma_create_srq_ex", {
-        if our_id(id).is_none() {
+        let Some(shell) = our_id(id) else {
             return forward!(rdma_create_srq_ex(id, attr));
-        }
+        };
         // SAFETY: the caller's attributes (or NULL).
-        let Some(a) = (unsafe { attr.as_ref() }) else {
+        let Some(a) = (unsafe { attr.as_mut() }) else {
             return fail(libc::EINVAL);
         };
-        if a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0 != 0
-            && a.srq_type != ibv_srq_type::IBV_SRQT_BASIC
-        {
+        let typed = a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0 != 0;
+        if typed && a.srq_type == ibv_srq_type::IBV_SRQT_TM {
             return fail(libc::EOPNOTSUPP);
+        }
+        if typed && a.srq_type == ibv_srq_type::IBV_SRQT_XRC {
+            // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
+            let raw = unsafe { &mut *shell.raw.get() };
+            let pd_bit = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0;
+            if a.comp_mask & pd_bit == 0 || a.pd.is_null() {
+                a.pd = raw.pd;
+                a.comp_mask |= pd_bit;
+            }
+            return match create_xrc_srq(raw, id, a) {
+                Ok(srq) => {
+                    raw.srq = srq;
+                    raw.pd = a.pd;
+                    0
+                }
+                Err(errno) => fail(errno),
+            };
         }
         let pd = if a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0 != 0 {
             a.pd
@@ -369,6 +416,60 @@ pub unsafe extern "C" fn rdma_destroy_srq(id: *mut rdma_cm_id) {
             // SAFETY: the id's SRQ.
             unsafe { ibv_destroy_srq(raw.srq) };
             raw.srq = ptr::null_mut();
+            if raw.qp_type == ibv_qp_type::IBV_QPT_XRC_RECV && raw.qp.is_null() {
+                destroy_cqs(raw); // kept for the XRC SRQ by rdma_destroy_qp
+            }
         }
     })
+}
+
+/// The XRC domain of the CM's device (librdmacm's `ucma_get_xrcd`: one, no file, opened on
+/// first use and kept, as the device itself is).
+fn cm_xrcd(verbs: *mut ibv_context) -> Result<*mut ibv_xrcd, c_int> {
+    static XRCD: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+    let mut all = XRCD.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, x)) = all.iter().find(|(c, _)| *c == verbs as usize) {
+        return Ok(x as *mut ibv_xrcd);
+    }
+    let mut attr = ibv_xrcd_init_attr {
+        comp_mask: ibv_xrcd_init_attr_mask::IBV_XRCD_INIT_ATTR_FD.0
+            | ibv_xrcd_init_attr_mask::IBV_XRCD_INIT_ATTR_OFLAGS.0,
+        fd: -1,
+        oflags: libc::O_CREAT,
+    };
+    // SAFETY: the id's context (ugdr's) and a valid attribute struct.
+    let x = unsafe { crate::capi::ibv_xrc::open_xrcd_op(verbs, &mut attr) };
+    if x.is_null() {
+        return Err(errno_or(libc::ENOMEM));
+    }
+    all.push((verbs as usize, x as usize));
+    Ok(x)
+}
+
+/// An XRC SRQ for an id (`rdma_create_srq` on an XRC_RECV id, `rdma_create_srq_ex` with
+/// `IBV_SRQT_XRC`): in the CM's domain unless `ex` names one, completing on `ex`'s CQ or the
+/// id's receive CQ (made here when the id has none), as librdmacm's.
+fn create_xrc_srq(
+    raw: &mut rdma_cm_id,
+    id: *mut rdma_cm_id,
+    ex: &mut ibv_srq_init_attr_ex,
+) -> Result<*mut ibv_srq, c_int> {
+    let xrcd_bit = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_XRCD.0;
+    let cq_bit = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_CQ.0;
+    if ex.comp_mask & xrcd_bit == 0 || ex.xrcd.is_null() {
+        ex.xrcd = cm_xrcd(raw.verbs)?;
+    }
+    if ex.comp_mask & cq_bit == 0 || ex.cq.is_null() {
+        if raw.recv_cq.is_null() {
+            create_cq(raw, id, ex.attr.max_wr, false)?;
+        }
+        ex.cq = raw.recv_cq;
+    }
+    ex.comp_mask |= xrcd_bit | cq_bit | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0;
+    ex.srq_type = ibv_srq_type::IBV_SRQT_XRC;
+    let srq = crate::capi::ibv_xrc::create_xrc_srq(raw.verbs, ex);
+    if srq.is_null() {
+        return Err(errno_or(libc::EINVAL));
+    }
+    Ok(srq)
 }

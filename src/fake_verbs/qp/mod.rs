@@ -11,24 +11,30 @@
 //! | [`receive`] | `ibv_post_recv`, receive checks, data placement, in-order receive completions |
 //! | [`completer`] | ACK/NAK and READ/atomic responses → send completions in post order; flush |
 //! | [`timer`] | the transport timer: retransmission, RETRY_EXC_ERR |
+//! | [`local`] | memory-window work: BIND_MW and LOCAL_INV in post order, remote invalidation |
 //! | [`unreliable`] | the UC and UD receive side (nothing acknowledged, nothing waits) |
+//! | [`xrc`] | XRC target QPs: receives from the SRQ each SEND names, completions on its CQ |
 //!
 //! This file holds the queue pair itself, its creation and destruction, the lock-then-send
 //! discipline every role uses, and the [`MessageReceiver`] the engine dispatches to.
 
 mod attributes;
 mod completer;
+mod local;
 mod multicast;
 mod queues;
 mod receive;
 mod requester;
+mod resolve;
 mod responder;
 mod timer;
 mod transition;
 mod unreliable;
+mod xrc;
 
 pub use crate::engine::Peer;
 pub use attributes::{AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps};
+pub use xrc::XrcTarget;
 
 use super::VerbsError;
 use super::cq::CompletionQueue;
@@ -59,6 +65,8 @@ pub struct QueuePair {
     queues: Mutex<Queues>,
     /// Told when the transport timer (or the RNR retry count) fails the QP.
     on_transport_error: Mutex<Option<TransportErrorHook>>,
+    /// An XRC target QP's domain and handles ([`xrc`]).
+    xrc_target: Option<XrcTarget>,
 }
 
 /// What the owner of a QP (the connection manager) does when the QP's peer stopped answering.
@@ -77,9 +85,9 @@ impl QueuePair {
         caps: QpCaps,
         local_lid: u16,
     ) -> Result<Arc<QueuePair>, VerbsError> {
-        if !matches!(qp_type, QpType::Rc | QpType::Uc | QpType::Ud) {
-            return Err(VerbsError::Unsupported(
-                "queue pair type (ugdr carries RC, UC and UD queue pairs)",
+        if qp_type == QpType::XrcRecv {
+            return Err(VerbsError::Invalid(
+                "an XRC target QP is made on an xrcd (QueuePair::new_xrc_target)",
             ));
         }
         pd.adopt_child();
@@ -101,6 +109,7 @@ impl QueuePair {
             handle: AtomicUsize::new(0),
             queues: Mutex::new(Queues::new()),
             on_transport_error: Mutex::new(None),
+            xrc_target: None,
         }))
     }
 
@@ -137,7 +146,9 @@ impl QueuePair {
                     header,
                     payload,
                     data_seq,
-                } => self.start_send(locked, &endpoint, &header, payload, data_seq),
+                } => {
+                    self.start_send(locked, &endpoint, &header, payload, data_seq);
+                }
                 Deferred::Release(data) => locked.release(data),
                 Deferred::Receive {
                     data,
@@ -225,6 +236,9 @@ impl QueuePair {
         if let Some(s) = &self.srq {
             s.release_user();
         }
+        if let Some(d) = self.xrc_domain() {
+            d.remove_target(self.qp_num);
+        }
     }
 }
 
@@ -268,7 +282,7 @@ impl MessageReceiver for QueuePair {
 
     fn peer_failed(self: Arc<Self>, locked: &LockedWorker<'_>) {
         // UC and UD senders are not told: an unacknowledged transport cannot know.
-        if self.qp_type == QpType::Rc && self.peer_endpoint().is_some_and(|ep| ep.failed()) {
+        if self.qp_type.reliable() && self.peer_endpoint().is_some_and(|ep| ep.failed()) {
             self.fail(locked, WcStatus::RetryExcErr);
         }
     }

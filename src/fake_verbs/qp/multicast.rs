@@ -76,7 +76,7 @@ impl QueuePair {
         let data = match &message.payload {
             SendPayload::None => Vec::new(),
             SendPayload::Spans(spans) => crate::ucp::gather(spans),
-            SendPayload::Owned(bytes) => bytes.clone(),
+            SendPayload::Owned(bytes) => bytes.to_vec(),
         };
         if let Some(engine) = Engine::running() {
             engine.multicast_send(locked, mgid, &message.header, &data);

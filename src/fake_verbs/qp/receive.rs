@@ -8,7 +8,9 @@ use super::super::VerbsError;
 use super::super::context::EVENT_QP_REQ_ERR;
 use super::super::mr::local_spans;
 use super::super::qp_state::{QpState, QpType};
-use super::super::work::{RecvRequest, WC_WITH_IMM, WcOpcode, WcStatus, WorkCompletion};
+use super::super::work::{
+    RecvRequest, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkCompletion,
+};
 use super::QueuePair;
 use super::queues::{Body, Deferred, Landing, Queues};
 use crate::engine::wire::{self, Header, Nak, Op};
@@ -47,6 +49,9 @@ impl QueuePair {
         }
         if self.srq.is_some() {
             return Err(VerbsError::Invalid("post_recv on a QP that uses an SRQ"));
+        }
+        if matches!(self.qp_type, QpType::XrcSend | QpType::XrcRecv) {
+            return Err(VerbsError::Invalid("an XRC QP has no receive queue"));
         }
         if q.rq.len() >= self.caps.max_recv_wr as usize {
             return Err(VerbsError::QueueFull);
@@ -87,9 +92,15 @@ impl QueuePair {
         wc.byte_len = len as u32;
         wc.src_qp = h.src_qpn;
         wc.slid = h.src_lid;
+        if self.xrc_target.is_some() {
+            wc.xrc_srqn = h.rkey;
+        }
         if h.flags & wire::FLAG_IMM != 0 {
             wc.wc_flags |= WC_WITH_IMM;
             wc.imm_data = h.imm_data;
+        } else if h.flags & wire::FLAG_INV != 0 {
+            wc.wc_flags |= WC_WITH_INV;
+            wc.imm_data = h.rkey; // the union's invalidated_rkey
         }
         wc
     }
@@ -109,7 +120,7 @@ impl QueuePair {
         let (status, nak) = if (len + reserve) as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
         } else {
-            match local_spans(&self.pd, &wr.sges, true) {
+            match local_spans(&self.receive_pd(h), &wr.sges, true) {
                 Some(spans) => return Some(spans),
                 None => (WcStatus::LocProtErr, Nak::RemoteOperational),
             }
@@ -124,9 +135,9 @@ impl QueuePair {
         wc.byte_len = 0;
         wc.wc_flags = 0;
         self.release_landed(q);
-        self.recv_cq.push(wc, true);
+        self.push_receive(wc, true);
         self.send_ack(q, h.seq, Some(nak));
-        if nak == Nak::InvalidRequest && self.qp_type == QpType::Rc {
+        if nak == Nak::InvalidRequest && self.qp_type.reliable() {
             // Responder class C (IBA 9.9.3.1.2): an invalid request work-queue error.
             self.raise(EVENT_QP_REQ_ERR);
         }
@@ -148,7 +159,10 @@ impl QueuePair {
         let len = body.len();
         let spans: SmallVec<[AppSpan; 4]> = if h.op == Op::Send {
             let wr = wr.as_ref().expect("a SEND has a receive WR");
-            match self.check_receive(q, wr, &h, len, 0) {
+            match self
+                .check_receive(q, wr, &h, len, 0)
+                .filter(|_| self.invalidate_for_send(q, wr, &h))
+            {
                 Some(s) => s,
                 None => {
                     if let Body::Held(d) = body {
@@ -241,7 +255,7 @@ impl QueuePair {
         while q.landing.front().is_some_and(|l| l.landed) {
             let l = q.landing.pop_front().expect("checked");
             if let Some(wc) = l.wc {
-                self.recv_cq.push(wc, l.solicited);
+                self.push_receive(wc, l.solicited);
             }
             if let Some(r) = l.then {
                 self.answer(q, l.seq, r);
@@ -259,7 +273,7 @@ impl QueuePair {
     /// Completes a flushed receive WR after those still landing (see `flush`), in order.
     pub(super) fn flushed_receive_in_order(&self, q: &mut Queues, wc: WorkCompletion) {
         if q.landing.is_empty() {
-            self.recv_cq.push(wc, true);
+            self.push_receive(wc, true);
         } else {
             q.landing.push_back(Landing {
                 seq: 0,

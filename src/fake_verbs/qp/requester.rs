@@ -4,14 +4,14 @@
 //! UD sends complete here, when UCX is done with the buffer; RC sends wait for the completer,
 //! and keep what it takes to send them again ([`super::timer`]).
 
-use super::super::mr::local_spans;
+use super::super::mr::{KeyCache, local_spans_cached};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{SendOpcode, SendRequest, WcStatus, WorkCompletion};
 use super::super::{VerbsError, device};
 use super::queues::{DataMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
 use crate::engine::wire::{self, Header, Op};
-use crate::ucp::{AppSpan, Endpoint, LockedWorker, SendPayload, SendState};
+use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -23,38 +23,79 @@ impl QueuePair {
         locked: &LockedWorker<'_>,
         req: SendRequest,
     ) -> Result<(), VerbsError> {
-        // A UD send's endpoint comes from the engine's cache, before the queue lock is taken.
-        let datagram_to = match (self.qp_type, &req.ud) {
-            (QpType::Ud, Some(ud)) => {
-                if !Arc::ptr_eq(&ud.ah.pd, &self.pd) {
-                    return Err(VerbsError::Invalid(
-                        "address handle of another protection domain",
-                    ));
+        self.post_send_list(locked, [Ok(req)]).map_err(|(_, e)| e)
+    }
+
+    /// Posts a WR list in order, under one hold of the queue lock, looking lkeys up once per
+    /// list; the messages go to UCX once the lock is released. Stops at the first WR that
+    /// cannot be posted (an `Err` item, or a check of `ibv_post_send`), returning its index
+    /// and error: the WRs before it stay posted.
+    pub fn post_send_list(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        requests: impl IntoIterator<Item = Result<SendRequest, VerbsError>>,
+    ) -> Result<(), (usize, VerbsError)> {
+        if self.qp_type == QpType::Ud {
+            // Each datagram's endpoint comes from the engine's cache (a UCX call), before the
+            // queue lock is taken.
+            for (i, req) in requests.into_iter().enumerate() {
+                req.and_then(|r| self.post_datagram(locked, r))
+                    .map_err(|e| (i, e))?;
+            }
+            return Ok(());
+        }
+        // Most lists hold one WR: its message is kept apart from the rest (no vector).
+        let mut first: Option<DataMessage> = None;
+        let mut rest: Vec<DataMessage> = Vec::new();
+        let mut keys = KeyCache::default();
+        let posted = self.locked_then_send(locked, |q| {
+            for (i, req) in requests.into_iter().enumerate() {
+                let message = req
+                    .and_then(|r| self.post_send_locked(q, r, None, &mut keys))
+                    .map_err(|e| (i, e))?;
+                match (message, &first) {
+                    (Some(m), None) => first = Some(m),
+                    (Some(m), Some(_)) => rest.push(m),
+                    (None, _) => {}
                 }
-                Some(ud.ah.endpoint(locked))
             }
-            (QpType::Ud, None) => {
-                return Err(VerbsError::Invalid("UD send without an address handle"));
+            Ok(())
+        });
+        // The messages themselves are sent straight from here (the hot path), the queue lock
+        // released; anything else the posts queued went through the outbox.
+        for m in first.into_iter().chain(rest) {
+            if !self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq)) {
+                break; // the QP failed: what follows was flushed
             }
-            _ => None,
+        }
+        posted
+    }
+
+    /// Posts one UD send WR.
+    fn post_datagram(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        req: SendRequest,
+    ) -> Result<(), VerbsError> {
+        let Some(ud) = &req.ud else {
+            return Err(VerbsError::Invalid("UD send without an address handle"));
         };
-        let group = req.ud.as_ref().and_then(|ud| ud.ah.group().copied());
-        // The message itself is sent straight from here (the hot path), the queue lock
-        // released; anything else the post queued goes through the outbox.
-        let message =
-            self.locked_then_send(locked, |q| self.post_send_locked(q, req, datagram_to))?;
+        if !Arc::ptr_eq(&ud.ah.pd, &self.pd) {
+            return Err(VerbsError::Invalid(
+                "address handle of another protection domain",
+            ));
+        }
+        let datagram_to = Some(ud.ah.endpoint(locked));
+        let group = ud.ah.group().copied();
+        let message = self.locked_then_send(locked, |q| {
+            self.post_send_locked(q, req, datagram_to, &mut KeyCache::default())
+        })?;
         match (message, group) {
             // A datagram to a multicast group: the engine replicates it.
-            (Some(message), Some(mgid)) => self.send_to_group(locked, &mgid, message),
-            (
-                Some(DataMessage {
-                    endpoint,
-                    header,
-                    payload,
-                    seq,
-                }),
-                None,
-            ) => self.start_send(locked, &endpoint, &header, payload, Some(seq)),
+            (Some(m), Some(mgid)) => self.send_to_group(locked, &mgid, m),
+            (Some(m), None) => {
+                self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq));
+            }
             (None, _) => {}
         }
         Ok(())
@@ -67,6 +108,7 @@ impl QueuePair {
         q: &mut Queues,
         req: SendRequest,
         datagram_to: Option<Option<Arc<Endpoint>>>,
+        keys: &mut KeyCache,
     ) -> Result<Option<DataMessage>, VerbsError> {
         match q.state {
             QpState::Rts | QpState::Sqd => {}
@@ -129,10 +171,21 @@ impl QueuePair {
             ) => {
                 return Err(VerbsError::Invalid("UC carries no RDMA READ or atomics"));
             }
+            (QpType::XrcSend, SendOpcode::Send | SendOpcode::SendWithImm) => {}
+            (QpType::XrcSend, _) => {
+                return Err(VerbsError::Invalid(
+                    "ugdr carries SEND and SEND_WITH_IMM over XRC",
+                ));
+            }
+            (QpType::XrcRecv, _) => {
+                return Err(VerbsError::Invalid("an XRC target QP has no send queue"));
+            }
             _ => {}
         }
         let op = match req.opcode {
-            SendOpcode::Send | SendOpcode::SendWithImm => Op::Send,
+            SendOpcode::Send | SendOpcode::SendWithImm | SendOpcode::SendWithInv => Op::Send,
+            // Memory-window work of this process: done now, in post order (`local.rs`).
+            SendOpcode::BindMw | SendOpcode::LocalInv => return self.post_local_operation(q, req),
             SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => Op::Write,
             SendOpcode::RdmaRead => Op::ReadRequest,
             SendOpcode::AtomicFetchAndAdd | SendOpcode::AtomicCmpAndSwp => {
@@ -153,7 +206,7 @@ impl QueuePair {
                 "inline is for SEND and RDMA WRITE only",
             ));
         }
-        if let Some(done) = self.try_direct(q, &req, op, length) {
+        if let Some(done) = self.try_direct(q, &req, op, length, keys) {
             return Ok(done);
         }
         let seq = q.next_send_seq;
@@ -172,21 +225,23 @@ impl QueuePair {
         });
         let payload = match (op, req.inline_data) {
             (_, Some(bytes)) => SendPayload::Owned(bytes),
-            (Op::Send | Op::Write, None) => match local_spans(&self.pd, &req.sges, false) {
-                Some(spans) => SendPayload::Spans(spans),
-                None => {
-                    tracing::debug!(
-                        "qp {:#x}: wr_id {} has a bad lkey or range",
-                        self.qp_num,
-                        req.wr_id
-                    );
-                    self.fail_entry(q, seq, WcStatus::LocProtErr);
-                    return Ok(None);
+            (Op::Send | Op::Write, None) => {
+                match local_spans_cached(&self.pd, &req.sges, false, keys) {
+                    Some(spans) => SendPayload::Spans(spans),
+                    None => {
+                        tracing::debug!(
+                            "qp {:#x}: wr_id {} has a bad lkey or range",
+                            self.qp_num,
+                            req.wr_id
+                        );
+                        self.fail_entry(q, seq, WcStatus::LocProtErr);
+                        return Ok(None);
+                    }
                 }
-            },
+            }
             (_, None) => {
                 // READ and atomics land in local memory: it must be writable.
-                let Some(spans) = local_spans(&self.pd, &req.sges, true) else {
+                let Some(spans) = local_spans_cached(&self.pd, &req.sges, true, keys) else {
                     tracing::debug!(
                         "qp {:#x}: wr_id {} has a bad lkey or range",
                         self.qp_num,
@@ -199,7 +254,7 @@ impl QueuePair {
                     e.response_into = Some(spans);
                 }
                 if op == Op::Atomic {
-                    let mut operands = Vec::with_capacity(16);
+                    let mut operands = OwnedBytes::new();
                     operands.extend_from_slice(&req.compare_add.to_le_bytes());
                     operands.extend_from_slice(&req.swap.to_le_bytes());
                     SendPayload::Owned(operands)
@@ -254,6 +309,13 @@ impl QueuePair {
         if op != Op::Send {
             header.remote_addr = req.remote_addr;
             header.rkey = req.rkey;
+        } else if self.qp_type == QpType::XrcSend {
+            // The XRC SRQ at the target (XRCETH): a SEND's rkey field is free.
+            header.rkey = req.xrc_srqn;
+        }
+        if req.opcode == SendOpcode::SendWithInv {
+            header.flags |= wire::FLAG_INV;
+            header.rkey = req.rkey;
         }
         header.length = length as u32;
         match req.opcode {
@@ -264,7 +326,7 @@ impl QueuePair {
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
-        if self.qp_type == QpType::Rc {
+        if self.qp_type.reliable() {
             // Kept until answered, to be sent again if the responder dropped it.
             if let Some(e) = q.sq.back_mut() {
                 e.resend = Some((header, payload.clone()));
@@ -284,6 +346,8 @@ impl QueuePair {
         }))
     }
 
+    /// Hands a message to UCX; false when an RC data message could not be sent (the QP
+    /// failed).
     pub(super) fn start_send(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
@@ -291,9 +355,9 @@ impl QueuePair {
         header: &Header,
         payload: SendPayload,
         data_seq: Option<u32>,
-    ) {
+    ) -> bool {
         // UC and UD sends complete once UCX is done with the buffer: nothing acknowledges them.
-        let unreliable = self.qp_type != QpType::Rc;
+        let unreliable = !self.qp_type.reliable();
         let result = match data_seq {
             Some(seq) => {
                 let me = Arc::clone(self);
@@ -334,9 +398,11 @@ impl QueuePair {
                     self.sent(locked, seq);
                 } else {
                     self.fail_send(locked, seq, WcStatus::RetryExcErr);
+                    return false;
                 }
             }
         }
+        true
     }
 
     /// A UC/UD send left: it completes (in post order) without an acknowledgement.
@@ -363,6 +429,7 @@ impl QueuePair {
         req: &SendRequest,
         op: Op,
         length: u64,
+        keys: &mut KeyCache,
     ) -> Option<Option<DataMessage>> {
         let write = match (op, req.opcode) {
             (Op::Write, SendOpcode::RdmaWrite) => true,
@@ -376,7 +443,7 @@ impl QueuePair {
         let memory = peer.memory.as_ref()?;
         let spans = match &req.inline_data {
             Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
-            None => local_spans(&self.pd, &req.sges, !write)?,
+            None => local_spans_cached(&self.pd, &req.sges, !write, keys)?,
         };
         memory
             .access(

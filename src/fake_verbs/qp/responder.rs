@@ -11,9 +11,9 @@
 //! lands is [`super::receive`].
 
 use super::super::context::EVENT_QP_ACCESS_ERR;
-use super::super::mr;
-use super::super::qp_state::{QpState, QpType};
+use super::super::qp_state::QpState;
 use super::super::work::RecvRequest;
+use super::super::{mr, mw};
 use super::QueuePair;
 use super::completer::from_peer;
 use super::queues::{
@@ -46,7 +46,7 @@ impl QueuePair {
         h: Header,
         payload: AmPayload<'_>,
     ) -> bool {
-        if self.qp_type != QpType::Rc {
+        if !self.qp_type.reliable() {
             self.on_unreliable_locked(q, h, payload);
             return false;
         }
@@ -79,8 +79,11 @@ impl QueuePair {
             }
             return self.keep_pending(q, h, payload, true);
         }
+        if self.xrc_target.is_some() && !self.xrc_request_valid(q, &h) {
+            return false;
+        }
         let receive = if q.waiting.is_empty() && needs_receive(&h) {
-            self.take_receive(q)
+            self.take_receive_for(q, &h)
         } else {
             None
         };
@@ -89,8 +92,8 @@ impl QueuePair {
             self.execute(q, h, Body::Current(payload), receive);
             false
         } else {
-            if let Some(srq) = self.srq.as_ref().filter(|_| needs_receive(&h)) {
-                srq.note_starving(self);
+            if needs_receive(&h) {
+                self.wait_for_receive(&h);
             }
             if !self.may_keep(q, &payload) {
                 // Receiver not ready, and it keeps enough: the requester's timer sends it
@@ -181,13 +184,12 @@ impl QueuePair {
             if q.state == QpState::Err {
                 break;
             }
-            let receive = if needs_receive(&front.header) {
-                match self.take_receive(q) {
+            let header = front.header;
+            let receive = if needs_receive(&header) {
+                match self.take_receive_for(q, &header) {
                     Some(wr) => Some(wr),
                     None => {
-                        if let Some(srq) = &self.srq {
-                            srq.note_starving(self);
-                        }
+                        self.wait_for_receive(&header);
                         break;
                     }
                 }
@@ -283,7 +285,7 @@ impl QueuePair {
             );
             return None;
         }
-        match mr::remote_span(&self.pd, h.rkey, h.remote_addr, len, access) {
+        match mw::remote_span(&self.pd, self.qp_num, h.rkey, h.remote_addr, len, access) {
             Some(span) => Some(Some(span)),
             None => {
                 tracing::debug!(
@@ -347,7 +349,7 @@ impl QueuePair {
                 let Some(old) = old else { return };
                 (
                     Op::AtomicResponse,
-                    SendPayload::Owned(old.to_le_bytes().to_vec()),
+                    SendPayload::Owned(old.to_le_bytes().as_slice().into()),
                 )
             }
         };
@@ -373,7 +375,7 @@ impl QueuePair {
 
     /// `seq` was delivered: acknowledge it with the next message, or now when many are owed.
     pub(super) fn acknowledge(&self, q: &mut Queues, seq: u32) {
-        if self.qp_type != QpType::Rc {
+        if !self.qp_type.reliable() {
             return;
         }
         let first = q.ack_owed.is_none();
@@ -390,7 +392,7 @@ impl QueuePair {
     }
 
     pub(super) fn send_ack(&self, q: &mut Queues, seq: u32, nak: Option<Nak>) {
-        if self.qp_type != QpType::Rc {
+        if !self.qp_type.reliable() {
             return; // UC and UD are never acknowledged
         }
         let Some(peer) = &q.peer else { return };

@@ -57,7 +57,7 @@ impl QueuePair {
         check_values(req)?;
         if next == QpState::Rtr
             && cur != QpState::Rtr
-            && matches!(self.qp_type, QpType::Rc | QpType::Uc)
+            && !matches!(self.qp_type, QpType::Ud)
             && peer.is_none()
         {
             return Err(VerbsError::Invalid(

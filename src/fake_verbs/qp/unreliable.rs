@@ -198,7 +198,10 @@ impl QueuePair {
                     tracing::debug!("qp {:#x}: dropping a SEND: no receive posted", self.qp_num);
                     return;
                 };
-                let Some(spans) = self.check_receive(q, &wr, &h, len, 0) else {
+                let Some(spans) = self
+                    .check_receive(q, &wr, &h, len, 0)
+                    .filter(|_| self.invalidate_for_send(q, &wr, &h))
+                else {
                     return;
                 };
                 (spans, Some(self.recv_completion(&wr, &h, len)))

@@ -1,0 +1,353 @@
+//! Who progresses the worker, and when (docs/design.md, "Who progresses").
+//!
+//! Two kinds of thread call `ucp_worker_progress`: the application's, from `ibv_poll_cq` on an
+//! empty CQ (if nobody else holds the worker), and the engine's progress thread, which makes
+//! a process that does not poll answer anyway (a target spinning on memory, one blocked in
+//! `ibv_get_cq_event`). How the progress thread waits for work is [`ProgressMode`]:
+//!
+//! * `event`: progress until idle, arm the worker's event fd, sleep in `poll()`. Costs nothing
+//!   when idle, and a wake-up (plus a signal by the sender) per message that finds it asleep.
+//! * `adaptive` (default): as `event`, but after any activity (a message, a post, the
+//!   application polling) keep progressing without sleeping for [`DEFAULT_SPIN`], yielding
+//!   the CPU between passes; then arm and sleep. Back-to-back traffic never waits for a
+//!   wake-up; an idle process sleeps after one window.
+//! * `busy`: never sleeps (one core per process, always).
+//!
+//! In every mode the progress thread steps aside while the application busy-polls its CQs
+//! (two threads fighting over the worker cost more than either), hands the owed ACKs to the
+//! peers when the application runs out of work, and runs the QPs' transport timers every
+//! [`super::TIMER_TICK`] while any is armed.
+
+use super::Engine;
+use crate::ucp::{self, Worker};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How the progress thread waits for work (`UGDR_PROGRESS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProgressMode {
+    Event,
+    Adaptive,
+    Busy,
+}
+
+/// How the progress thread runs: the mode and the adaptive window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgressConfig {
+    pub mode: ProgressMode,
+    /// How long the adaptive progress thread keeps polling after the last activity.
+    pub spin: Duration,
+}
+
+impl ProgressConfig {
+    /// `UGDR_PROGRESS` (`event`, `adaptive`, `busy`; unset: adaptive) and
+    /// `UGDR_PROGRESS_SPIN_US` (a whole number of µs; unset: [`DEFAULT_SPIN`]). Any other
+    /// value is refused: the engine does not start (a benchmark run under a mistyped mode
+    /// would measure something else than it says).
+    pub fn from_env() -> Result<ProgressConfig, String> {
+        let mode = match std::env::var("UGDR_PROGRESS") {
+            Err(_) => ProgressMode::Adaptive,
+            Ok(v) => ProgressMode::parse(&v).ok_or_else(|| {
+                format!("UGDR_PROGRESS={v:?} is not one of event, adaptive, busy")
+            })?,
+        };
+        let spin = match std::env::var("UGDR_PROGRESS_SPIN_US") {
+            Err(_) => DEFAULT_SPIN,
+            Ok(v) => v
+                .trim()
+                .parse::<u64>()
+                .map(Duration::from_micros)
+                .map_err(|_| {
+                    format!("UGDR_PROGRESS_SPIN_US={v:?} is not a whole number of microseconds")
+                })?,
+        };
+        Ok(ProgressConfig { mode, spin })
+    }
+}
+
+impl ProgressMode {
+    pub fn parse(v: &str) -> Option<ProgressMode> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "event" => Some(ProgressMode::Event),
+            "adaptive" => Some(ProgressMode::Adaptive),
+            "busy" => Some(ProgressMode::Busy),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ProgressMode::Event => "event",
+            ProgressMode::Adaptive => "adaptive",
+            ProgressMode::Busy => "busy",
+        }
+    }
+}
+
+/// How long the adaptive progress thread keeps progressing after the last activity before it
+/// sleeps on the event fd. Longer than a round trip across hosts (tens of µs over TCP), so
+/// that ping-pong traffic never finds it asleep; short enough that a process that goes idle
+/// stops spending CPU at once (measured in the README's table of modes).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+
+/// How long the progress thread steps aside while the application busy-polls, and how many
+/// empty polls in that time count as busy-polling (a spinning application polls thousands of
+/// times in it). A short window, because an application may alternate between polling its CQ
+/// and spinning on memory a peer writes (ib_write_lat): the first window without polls hands
+/// progress back to this thread. Measured here: a 1 ms window kept ibv_rc_pingpong ~40%
+/// faster but made ib_write_lat wait ~1 ms per message; 50 µs costs some ping-pong latency
+/// and brings ib_write_lat to ~150 µs (the event fd wake-up on this VM dominates).
+const BUSY_POLL_WINDOW: Duration = Duration::from_micros(50);
+const BUSY_POLL_THRESHOLD: u64 = 8;
+
+/// An application whose `ibv_poll_cq` found nothing to progress this many times in a row is
+/// not about to send: the ACKs it owes go out alone.
+const IDLE_POLLS_PER_ACK_FLUSH: u32 = 8;
+
+/// How often the progress thread checks that local peers are alive.
+const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(200);
+
+/// What the application's threads tell the progress thread.
+#[derive(Default)]
+pub(super) struct Activity {
+    /// `ibv_poll_cq` progress calls (the progress thread steps aside while they come fast).
+    app_polls: AtomicU64,
+    /// Consecutive application progress calls that found nothing (under the worker lock).
+    idle_app_polls: AtomicU32,
+    /// Posts by the application: an answer is expected soon.
+    app_posts: AtomicU64,
+}
+
+impl Activity {
+    /// The application posted work.
+    pub(super) fn posted(&self) {
+        self.app_posts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One `ibv_poll_cq` progress call: progresses if the worker is free, and flushes owed
+    /// ACKs once the application has found nothing several times in a row.
+    pub(super) fn progress_from_app(&self, engine: &Engine) {
+        self.app_polls.fetch_add(1, Ordering::Relaxed);
+        if let Some(locked) = engine.worker.try_lock() {
+            if locked.progress() > 0 {
+                self.idle_app_polls.store(0, Ordering::Relaxed);
+                if super::dispatch::owed_acks_overdue() {
+                    engine.flush_owed_acks(&locked);
+                }
+                return;
+            }
+            let idle = self.idle_app_polls.load(Ordering::Relaxed) + 1;
+            self.idle_app_polls.store(idle, Ordering::Relaxed);
+            if idle.is_multiple_of(IDLE_POLLS_PER_ACK_FLUSH) {
+                engine.flush_owed_acks(&locked);
+            }
+        }
+    }
+}
+
+/// While polling without sleeping, the progress thread takes the worker only once the
+/// application has neither polled nor posted for this long: an application between receiving
+/// and answering would otherwise find the worker taken, and if this thread lost its CPU while
+/// holding it (cores shared with spinning threads), wait for a whole scheduler tick.
+const APP_QUIET: Duration = Duration::from_micros(5);
+
+/// The application's counters as the progress thread last saw them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    polls: u64,
+    posts: u64,
+}
+
+impl Activity {
+    fn seen(&self) -> Seen {
+        Seen {
+            polls: self.app_polls.load(Ordering::Relaxed),
+            posts: self.app_posts.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Counts the application's polls over windows of BUSY_POLL_WINDOW, across the progress
+/// thread's passes and short sleeps.
+struct PollWindow {
+    start: Instant,
+    polls: u64,
+}
+
+impl PollWindow {
+    /// Whether the application busy-polls now (then the progress thread steps aside); polls
+    /// counted in a window much older than BUSY_POLL_WINDOW (this thread slept long) say
+    /// nothing about now.
+    fn busy_polling(&mut self, polls: u64) -> bool {
+        let age = self.start.elapsed();
+        if age > 2 * BUSY_POLL_WINDOW {
+            self.restart(polls);
+            return false;
+        }
+        if polls.wrapping_sub(self.polls) >= BUSY_POLL_THRESHOLD {
+            return true;
+        }
+        if age >= BUSY_POLL_WINDOW {
+            self.restart(polls);
+        }
+        false
+    }
+
+    fn restart(&mut self, polls: u64) {
+        self.start = Instant::now();
+        self.polls = polls;
+    }
+}
+
+/// Gives the CPU (adaptive) or only the worker lock (busy) a moment before the next pass.
+fn pause(mode: ProgressMode) {
+    if mode == ProgressMode::Busy {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+    } else {
+        // Let the application's threads go first: on a machine with few cores they need the
+        // CPU this thread takes.
+        std::thread::yield_now();
+    }
+}
+
+/// The progress thread's body: runs until `stopping`.
+pub(super) fn run(
+    worker: &Worker,
+    stopping: &AtomicBool,
+    activity: &Activity,
+    config: ProgressConfig,
+) {
+    let mode = config.mode;
+    let spin = match mode {
+        ProgressMode::Adaptive => config.spin,
+        ProgressMode::Event => Duration::ZERO,
+        ProgressMode::Busy => Duration::MAX,
+    };
+    let efd = worker.event_fd();
+    let mut last_peer_check = Instant::now();
+    let mut seen = activity.seen();
+    let mut window = PollWindow {
+        start: Instant::now(),
+        polls: seen.polls,
+    };
+    // When something last happened (a message, a post, busy polling); None: idle.
+    let mut last_activity: Option<Instant> = None;
+    // Since when the application has neither polled nor posted.
+    let mut app_quiet_since = Instant::now();
+    // Whether this thread polls without sleeping now.
+    let mut spinning = false;
+    let mut next_tick = Instant::now();
+    while !stopping.load(Ordering::Acquire) {
+        // Transport timers run whether the application sleeps, polls or spins, and no ACK
+        // waits longer than OWED_ACK_MAX_WAIT for a message to ride on.
+        super::tick_if_due(worker, &mut next_tick);
+        if super::dispatch::owed_acks_overdue()
+            && let (Some(locked), Some(engine)) = (worker.try_lock(), Engine::running())
+        {
+            engine.flush_owed_acks(&locked);
+        }
+        let now = activity.seen();
+        if window.busy_polling(now.polls) {
+            // The application is spinning in ibv_poll_cq and progresses the worker itself. A
+            // window without such polls (it blocks, or spins on memory a peer writes, as
+            // ib_write_lat does) hands progress back to this thread.
+            last_activity = Some(Instant::now());
+            if mode == ProgressMode::Busy {
+                let until = Instant::now() + BUSY_POLL_WINDOW;
+                while Instant::now() < until {
+                    std::thread::yield_now();
+                }
+            } else {
+                std::thread::sleep(BUSY_POLL_WINDOW);
+            }
+            window.restart(activity.seen().polls);
+            continue;
+        }
+        if now != seen {
+            if now.posts != seen.posts {
+                last_activity = Some(Instant::now());
+            }
+            seen = now;
+            app_quiet_since = Instant::now();
+        }
+        spinning = spinning
+            && (mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin));
+        let locked = if spinning {
+            if app_quiet_since.elapsed() < APP_QUIET {
+                pause(mode);
+                continue;
+            }
+            match worker.try_lock() {
+                Some(l) => l,
+                None => {
+                    pause(mode);
+                    continue;
+                }
+            }
+        } else {
+            worker.lock()
+        };
+        let mut events = 0u32;
+        loop {
+            let n = locked.progress();
+            if n == 0 {
+                break;
+            }
+            events = events.saturating_add(n);
+        }
+        if events > 0 {
+            last_activity = Some(Instant::now());
+        }
+        spinning = mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin);
+        // The ACKs owed go alone now unless the application is polling and this thread will
+        // look again soon: then they ride on the application's answer, or go when its polls
+        // find nothing (Activity::progress_from_app). Never left behind before sleeping.
+        let app_polling = activity.seen().polls != seen.polls;
+        if let Some(engine) = Engine::running() {
+            if !(spinning && app_polling) {
+                engine.flush_owed_acks(&locked);
+            }
+            if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
+                last_peer_check = Instant::now();
+                engine.check_local_peers(&locked);
+            }
+        }
+        if spinning {
+            drop(locked);
+            pause(mode);
+            continue;
+        }
+        last_activity = None;
+        if !locked.arm() {
+            continue;
+        }
+        drop(locked);
+        let wait_ms = if super::dispatch::timers_armed() {
+            super::TIMER_TICK.as_millis() as i32
+        } else {
+            100
+        };
+        ucp::wait_readable(&[efd], wait_ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_name() {
+        for m in [
+            ProgressMode::Event,
+            ProgressMode::Adaptive,
+            ProgressMode::Busy,
+        ] {
+            assert_eq!(ProgressMode::parse(m.name()), Some(m));
+        }
+        assert_eq!(ProgressMode::parse(" BUSY "), Some(ProgressMode::Busy));
+        assert_eq!(ProgressMode::parse("poll"), None);
+        assert_eq!(ProgressMode::parse(""), None);
+    }
+}
