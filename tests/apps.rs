@@ -131,10 +131,11 @@ fn the_device_has_a_vendor_identity_in_both_profiles_and_nothing_else_differs() 
         rest(&cx6),
         "the profiles differ beyond the identity"
     );
-    // Limits that say what ugdr has: address handles and memory windows yes, multicast no.
+    // Limits that say what ugdr has: address handles, memory windows and multicast.
     assert_ne!(field(&own, "max_ah"), "0");
     assert_ne!(field(&own, "max_mw"), "0");
-    assert_eq!(field(&own, "max_mcast_grp"), "0");
+    assert_eq!(field(&own, "max_mcast_grp"), "1024");
+    assert_eq!(field(&own, "max_mcast_qp_attach"), "56");
     // Memory windows, LOCAL_INV and SEND_WITH_INV: IBV_DEVICE_MEM_MGT_EXTENSIONS (bit 21), so
     // SPDK no longer warns that the device lacks SEND_WITH_INVALIDATE.
     let flags = field(&own, "device_cap_flags");

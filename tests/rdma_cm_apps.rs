@@ -284,3 +284,108 @@ fn udaddy_with_one_and_with_four_endpoints() {
         }
     }
 }
+
+/// Starts `server`, which serves until killed (cmtime's server never exits), waits until it
+/// listens, runs `client` to its end, checks the server is still serving, then stops it;
+/// (server output, client output).
+fn client_of_endless_server(
+    server: std::process::Command,
+    client: std::process::Command,
+    port: u16,
+    listening: impl Fn(u16) -> bool,
+) -> (std::process::Output, std::process::Output) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let mut srv = Guarded::spawn(server, "server");
+    while !listening(port) {
+        srv.assert_running();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "server never listened on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c = Guarded::spawn(client, "client").wait(deadline);
+    srv.assert_running();
+    let s = srv
+        .wait_until(std::time::Instant::now())
+        .unwrap_or_else(|o| o);
+    (s, c)
+}
+
+/// cmtime's table (rdma-core 44: `step  total ms  max ms  min us  us / conn`): a row for
+/// every step, each timed for at least one connection (an untimed step keeps the 999999999
+/// placeholder as its minimum), and no failed connection.
+fn assert_cmtime_table(client: &std::process::Output, server: &std::process::Output, bind: bool) {
+    assert_success(client, "cmtime client");
+    let out = stdout(client);
+    for bad in ["error", "failure", "failing"] {
+        assert!(!out.contains(bad), "{out}");
+        assert!(!stdout(server).contains(bad), "server\n{}", text(server));
+    }
+    assert!(
+        out.contains("step              total ms     max ms     min us  us / conn"),
+        "{out}"
+    );
+    let mut steps = vec!["create id"];
+    if bind {
+        steps.push("bind addr");
+    }
+    steps.extend([
+        "resolve addr",
+        "resolve route",
+        "create qp",
+        "connect",
+        "disconnect",
+        "destroy",
+    ]);
+    for step in steps {
+        let row = out
+            .lines()
+            .find(|l| l.split(':').next().map(str::trim) == Some(step))
+            .unwrap_or_else(|| panic!("no row for {step}\n{out}"));
+        let numbers: Vec<f64> = row
+            .split(':')
+            .nth(1)
+            .unwrap_or("")
+            .split_whitespace()
+            .map(|n| n.parse().unwrap_or_else(|_| panic!("{row}")))
+            .collect();
+        assert_eq!(numbers.len(), 4, "{row}");
+        assert!(numbers.iter().all(|n| *n >= 0.0), "{row}");
+        assert!(numbers[2] < 999_999.0, "{step}: no connection timed\n{out}");
+    }
+}
+
+#[test]
+fn cmtime_one_hundred_connections() {
+    let port = free_port();
+    let p = port.to_string();
+    let (s, c) = client_of_endless_server(
+        preloaded("cmtime", &["-b", "127.0.0.1", "-p", &p]),
+        preloaded("cmtime", &["-s", "127.0.0.1", "-p", &p, "-c", "100"]),
+        port,
+        |p| {
+            let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+            listening(p, &tcp)
+        },
+    );
+    assert_cmtime_table(&c, &s, false);
+}
+
+#[test]
+fn cmtime_across_two_hosts() {
+    let ns = NetnsPair::new("t");
+    let port = free_port();
+    let p = port.to_string();
+    let (s, c) = client_of_endless_server(
+        ns.command(&ns.a, "cmtime", &["-b", ADDR_A, "-p", &p]),
+        ns.command(
+            &ns.b,
+            "cmtime",
+            &["-s", ADDR_A, "-b", ADDR_B, "-p", &p, "-c", "50"],
+        ),
+        port,
+        |p| ns.listening(&ns.a, p),
+    );
+    assert_cmtime_table(&c, &s, true);
+}

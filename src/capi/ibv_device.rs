@@ -290,6 +290,9 @@ fn fill_device_attr(out: &mut ibv_device_attr) {
     out.atomic_cap = ibv_atomic_cap::IBV_ATOMIC_HCA;
     out.max_srq = a.max_srq;
     out.max_ah = a.max_ah;
+    out.max_mcast_grp = crate::engine::multicast::MAX_GROUPS as c_int;
+    out.max_mcast_qp_attach = crate::engine::multicast::MAX_GROUP_QPS as c_int;
+    out.max_total_mcast_qp_attach = out.max_mcast_grp * out.max_mcast_qp_attach;
     out.max_srq_wr = a.max_srq_wr;
     out.max_srq_sge = a.max_srq_sge;
     out.max_pkeys = a.max_pkeys;

@@ -1,4 +1,4 @@
-//! Verbs ugdr does not carry yet (multicast, ECE, dma-buf MRs). Each is exported all the same: given one of ugdr's objects it fails as a
+//! Verbs ugdr does not carry yet (ECE, dma-buf MRs). Each is exported all the same: given one of ugdr's objects it fails as a
 //! device without the feature does (NULL/errno EOPNOTSUPP, or EOPNOTSUPP), instead of letting
 //! the real libibverbs read ugdr's objects as its own; given a real library's object it
 //! forwards to the real function (by exact version node).
@@ -13,8 +13,6 @@ mod real {
     use super::*;
 
     real_functions! {
-    ibv_attach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
-    ibv_detach_mcast @ "IBVERBS_1.1": fn(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
     ibv_query_ece @ "IBVERBS_1.10": fn(*mut ibv_qp, *mut ibv_ece) -> c_int;
     ibv_set_ece @ "IBVERBS_1.10": fn(*mut ibv_qp, *mut ibv_ece) -> c_int;
     ibv_reg_dmabuf_mr @ "IBVERBS_1.12": fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr;
@@ -52,15 +50,6 @@ macro_rules! not_yet {
 }
 pub(super) use not_yet;
 
-not_yet! {
-    /// Multicast (UD): not yet.
-    ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,
-    context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    ibv_detach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16) -> c_int,
-    context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);
-}
 not_yet! {
     ibv_query_ece(qp: *mut ibv_qp, ece: *mut ibv_ece) -> c_int,
     context = (*qp).context, ours = c_int::fail(libc::EOPNOTSUPP);

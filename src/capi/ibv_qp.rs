@@ -243,7 +243,13 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
             return super::ibv_xrc::create_target_qp(ctx, a);
         }
         let flags_given = a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0 != 0;
-        if a.comp_mask & !SUPPORTED_INIT_MASK != 0 || (flags_given && a.create_flags != 0) {
+        // The one creation flag ugdr has: a UD QP that does not get its own multicasts.
+        let no_loopback = ibv_qp_create_flags::IBV_QP_CREATE_BLOCK_SELF_MCAST_LB.0;
+        let block_loopback = flags_given && a.create_flags & no_loopback != 0;
+        if a.comp_mask & !SUPPORTED_INIT_MASK != 0
+            || (flags_given && a.create_flags & !no_loopback != 0)
+            || (block_loopback && a.qp_type != ibv_qp_type::IBV_QPT_UD)
+        {
             return <*mut ibv_qp>::fail(libc::EOPNOTSUPP);
         }
         if a.comp_mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 == 0 || a.pd.is_null() {
@@ -273,6 +279,10 @@ pub(crate) unsafe extern "C" fn create_qp_ex_op(
         match create_qp(&args) {
             Ok((qp, cap)) => {
                 a.cap = cap;
+                if block_loopback && let Ok(engine) = Engine::get() {
+                    // SAFETY: the QP just created, ours.
+                    engine.multicast_block_loopback(unsafe { (*qp).qp_num });
+                }
                 qp
             }
             Err(e) => <*mut ibv_qp>::fail(e.errno()),
@@ -511,6 +521,10 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
                 _ => c_int::fail(libc::EINVAL),
             };
         };
+        if shell.inner.in_multicast_groups() {
+            // As the kernel's uverbs: a QP still attached to a multicast group stays.
+            return c_int::fail(libc::EBUSY);
+        }
         // SAFETY: ours; not used again when it was one of several handles.
         if unsafe { super::ibv_xrc::close_target_handle(qp, shell) } {
             return 0;

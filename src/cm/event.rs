@@ -25,6 +25,8 @@ pub enum EventKind {
     Rejected = 8,
     Established = 9,
     Disconnected = 10,
+    MulticastJoin = 12,
+    MulticastError = 13,
 }
 
 impl EventKind {
@@ -45,6 +47,8 @@ pub struct ConnParam {
     pub rnr_retry_count: u8,
     pub srq: u8,
     pub qp_num: u32,
+    /// A multicast event's group.
+    pub group: Option<super::multicast::Group>,
 }
 
 impl ConnParam {
@@ -61,6 +65,7 @@ impl ConnParam {
             rnr_retry_count: ep.rnr_retry_count,
             srq: u8::from(ep.srq),
             qp_num: ep.qpn,
+            group: None,
         }
     }
 }

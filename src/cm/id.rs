@@ -130,6 +130,8 @@ pub(super) struct State {
     pub(super) listen_id: Option<Arc<CmId>>,
     /// `rdma_create_ep`'s `ai_connect`: sent ahead of `rdma_connect`'s private data.
     pub(super) connect_prefix: Vec<u8>,
+    /// Multicast groups joined (`multicast.rs`).
+    pub(super) joins: Vec<super::multicast::Join>,
 }
 
 /// An `rdma_cm_id`.
@@ -199,6 +201,7 @@ impl CmId {
                 qp: None,
                 listen_id: None,
                 connect_prefix: Vec::new(),
+                joins: Vec::new(),
             }),
             shell: AtomicUsize::new(0),
             destroyed: AtomicBool::new(false),
@@ -365,7 +368,8 @@ impl CmId {
         s.remote = Some(dst);
         s.phase = Phase::ResolvingAddr;
         drop(s);
-        if address::is_local(dst.ip()) {
+        // A multicast group has no host to answer: it resolves to the source's port.
+        if address::is_local(dst.ip()) || dst.ip().is_multicast() {
             self.state().phase = Phase::AddrResolved;
             self.emit(EventKind::AddrResolved, 0, ConnParam::default());
             return Ok(());
@@ -438,6 +442,7 @@ impl CmId {
         if self.destroyed.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.leave_all_groups();
         let mut s = self.state();
         if s.phase == Phase::RequestReceived
             && let Some(link) = &s.link

@@ -37,6 +37,7 @@ mod event;
 mod id;
 mod link;
 mod listener;
+mod multicast;
 mod qp;
 mod sidr;
 pub mod wire;
@@ -49,6 +50,7 @@ pub use event::{CmEvent, ConnParam, EventChannel, EventKind, request_result, syn
 pub use id::{
     CmId, DEFAULT_PKEY, HOP_LIMIT, PACKET_LIFE_TIME, PATH_MTU_4096, Phase, PortSpace, Route,
 };
+pub use multicast::{Group, JOIN_FULL_MEMBER, JOIN_SEND_ONLY_FULL_MEMBER};
 pub use qp::{IdQp, QpParams};
 pub use sidr::UDP_QKEY;
 

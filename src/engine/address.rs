@@ -19,6 +19,7 @@
 
 mod directory;
 pub mod lookup;
+pub mod multicast;
 
 pub(in crate::engine) use directory::write_private;
 pub use directory::{Directory, DirectoryError, LidClaim, Published, pid_alive};

@@ -31,6 +31,15 @@ pub trait MessageReceiver: Send + Sync {
         payload: AmPayload<'_>,
     ) -> bool;
 
+    /// A UD datagram to multicast group `mgid`, which this QP is attached to (same return).
+    fn group_datagram(
+        self: Arc<Self>,
+        locked: &LockedWorker<'_>,
+        header: Header,
+        mgid: &[u8; 16],
+        payload: AmPayload<'_>,
+    ) -> bool;
+
     /// An ACK or NAK from the peer's responder.
     fn ack_arrived(self: Arc<Self>, locked: &LockedWorker<'_>, header: &Header);
 

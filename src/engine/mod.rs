@@ -26,6 +26,7 @@ pub mod auth;
 pub mod direct;
 mod dispatch;
 mod error;
+pub mod multicast;
 mod progress;
 pub mod wire;
 
@@ -197,6 +198,7 @@ impl Engine {
             // What a HCA would still do for this process: acknowledge what it delivered.
             let locked = self.worker.lock();
             self.flush_owed_acks(&locked);
+            self.multicast_shutdown(&locked);
             let until = std::time::Instant::now() + EXIT_DRAIN;
             while locked.progress() > 0 || std::time::Instant::now() < until {
                 if std::time::Instant::now() >= until {
@@ -253,6 +255,7 @@ impl Engine {
     /// Messages for `qpn` are dropped from now on, and its direct-access slot is free.
     pub fn unregister_qp(&self, qpn: u32) {
         self.qps.remove(&qpn);
+        self.multicast_forget_qp(qpn);
         if let Some(m) = &self.memory {
             m.withdraw_qp(qpn);
             m.release_qp_slot(qpn);
@@ -434,6 +437,9 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
         );
         return false;
     };
+    if h.flags & wire::FLAG_MULTICAST != 0 {
+        return engine.multicast_arrived(locked, h, payload);
+    }
     let Some(qp) = engine.receiver(h.dst_qpn) else {
         tracing::debug!("dropping {:?} for unknown qp {:#x}", h.op, h.dst_qpn);
         return false;

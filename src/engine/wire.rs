@@ -25,6 +25,7 @@
 //! `remote_addr` is the sender's IPv4 address (bits 0..32, which with the source LID gives its
 //! GID), the flow label (bits 32..52) and the traffic class (bits 56..64), and `status` is the
 //! hop limit: what the receiver writes into the 40-byte GRH area of the receive buffer.
+//! With [`FLAG_MULTICAST`] the payload starts with the group's MGID (the GRH's destination).
 
 /// The active-message id all ugdr traffic uses.
 pub const AM_ID: u32 = 0x4755; // "GU"
@@ -43,6 +44,10 @@ pub const FLAG_GRH: u8 = 1 << 4;
 pub const FLAG_UNRELIABLE: u8 = 1 << 5;
 /// A SEND_WITH_INV: `rkey` is the responder's memory window to invalidate.
 pub const FLAG_INV: u8 = 1 << 6;
+/// A UD datagram to a multicast group (destination QPN 0xFFFFFF): the payload starts with
+/// the group's 16-byte MGID, and the receiving process hands the rest to each of its QPs
+/// attached to the group (`engine::multicast`).
+pub const FLAG_MULTICAST: u8 = 1 << 7;
 
 /// Message kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,6 +8,7 @@ use super::pd::ProtectionDomain;
 use super::qp::AddressVector;
 use crate::engine::Engine;
 use crate::engine::address::Resolved;
+use crate::engine::multicast::is_multicast_gid;
 use crate::ucp::{Endpoint, LockedWorker};
 use std::sync::Arc;
 
@@ -15,8 +16,11 @@ pub struct AddressHandle {
     pub pd: Arc<ProtectionDomain>,
     pub av: AddressVector,
     /// The process behind `av`, or None when no port answers to it: sends through the
-    /// handle then complete and go nowhere, as datagrams to an absent LID do.
+    /// handle then complete and go nowhere, as datagrams to an absent LID do. For a
+    /// multicast group, this process (the engine replicates the datagram from here).
     target: Option<Resolved>,
+    /// The MGID when `av` names a multicast group (its GRH's destination is one).
+    group: Option<[u8; 16]>,
 }
 
 impl AddressHandle {
@@ -28,7 +32,16 @@ impl AddressHandle {
         av: AddressVector,
     ) -> Result<Arc<AddressHandle>, VerbsError> {
         check(&av)?;
-        let target = match engine.resolve(av.dlid, av.is_global.then_some(&av.grh.dgid)) {
+        let group = (av.is_global && is_multicast_gid(&av.grh.dgid)).then_some(av.grh.dgid);
+        if let Some(mgid) = &group {
+            // Members on other hosts are asked for now, not at the first send.
+            engine.multicast_interest(mgid);
+        }
+        let (dlid, dgid) = match &group {
+            Some(_) => (engine.lid, None),
+            None => (av.dlid, av.is_global.then_some(&av.grh.dgid)),
+        };
+        let target = match engine.resolve(dlid, dgid) {
             Ok(t) => Some(t),
             Err(e) => {
                 tracing::debug!(
@@ -39,7 +52,17 @@ impl AddressHandle {
             }
         };
         pd.adopt_child();
-        Ok(Arc::new(AddressHandle { pd, av, target }))
+        Ok(Arc::new(AddressHandle {
+            pd,
+            av,
+            target,
+            group,
+        }))
+    }
+
+    /// The multicast group the handle names, if it names one.
+    pub fn group(&self) -> Option<&[u8; 16]> {
+        self.group.as_ref()
     }
 
     /// The endpoint to the destination's process (None: unreachable, the datagram is lost).

@@ -264,6 +264,8 @@ impl Stream {
                     Self::fail(st, libc::ECONNRESET);
                 }
             }
+            // A stream socket never joins a multicast group.
+            EventKind::MulticastJoin | EventKind::MulticastError => {}
         }
     }
 

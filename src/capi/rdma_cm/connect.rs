@@ -44,6 +44,7 @@ unsafe fn read_conn_param(param: *const rdma_conn_param) -> Option<ConnParam> {
         rnr_retry_count: p.rnr_retry_count,
         srq: p.srq,
         qp_num: p.qp_num,
+        group: None,
     })
 }
 

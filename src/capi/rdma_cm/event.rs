@@ -189,8 +189,16 @@ fn convert_event(event: CmEvent) -> Option<Delivered> {
     }
     let qp = VerbsQp::of(shell);
     let (kind, status) = id.on_delivery(kind, status, dyn_qp(&qp));
-    // UD ids report the peer's address as an address vector, its QPN and Q_Key.
-    let ud_peer = id.is_ud().then(|| id.ud_peer_attributes());
+    let group = param.group;
+    // UD ids report the peer's address as an address vector, its QPN and Q_Key; a multicast
+    // event the group's (and the join's context as private data, as librdmacm).
+    let (kind, status, ud_peer) = match &group {
+        Some(g) => {
+            let (kind, status) = id.on_multicast_delivery(kind, status, g);
+            (kind, status, Some(id.group_attributes(g)))
+        }
+        None => (kind, status, id.is_ud().then(|| id.ud_peer_attributes())),
+    };
     let private_data = param.private_data;
     let event_shell = Box::new(EventShell {
         raw: UnsafeCell::new(rdma_cm_event {
@@ -221,9 +229,13 @@ fn convert_event(event: CmEvent) -> Option<Delivered> {
         qp_num: param.qp_num,
     };
     if let Some(peer) = ud_peer {
+        let (private_data, private_data_len) = match &group {
+            Some(g) => (g.context as *const std::os::raw::c_void, 0),
+            None => (conn.private_data, conn.private_data_len),
+        };
         let ud_param = rdma_ud_param {
-            private_data: conn.private_data,
-            private_data_len: conn.private_data_len,
+            private_data,
+            private_data_len,
             ah_attr: av_to(&peer.ah),
             qp_num: conn.qp_num,
             qkey: peer.qkey,

@@ -15,7 +15,8 @@
 //! * `endpoint.rs` — the synchronous endpoint API of `rdma_server`/`rdma_client`
 //!   (`rdma_create_ep`, `rdma_get_request`).
 //! * `addrinfo.rs` — `rdma_getaddrinfo`.
-//! * `not_offered.rs` — multicast and ECE, which ugdr's fabric has not.
+//! * `multicast.rs` — joining and leaving multicast groups.
+//! * `not_offered.rs` — ECE, which ugdr's fabric has not.
 //! * `real.rs` — the real librdmacm, for ids, channels, events and device lists it created
 //!   (for callers whose verbs are the real ones: an application's own UCX, `caller.rs`).
 
@@ -25,6 +26,7 @@ mod device;
 mod endpoint;
 mod event;
 mod id;
+mod multicast;
 mod not_offered;
 mod qp;
 mod real;

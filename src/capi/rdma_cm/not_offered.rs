@@ -1,11 +1,11 @@
-//! What librdmacm offers and ugdr's fabric has not: multicast and ECE (enhanced connection
+//! What librdmacm offers and ugdr's fabric has not: ECE (enhanced connection
 //! establishment). Each export fails with EOPNOTSUPP for ugdr's ids; an id of the real
 //! librdmacm goes to it.
 
 use super::id::our_id;
 use super::{cm_boundary, fail, forward};
 use crate::sys::*;
-use std::os::raw::{c_int, c_void};
+use std::os::raw::c_int;
 
 macro_rules! not_offered {
     ($name:ident ( id: $idty:ty $(, $arg:ident : $ty:ty)* )) => {
@@ -22,8 +22,5 @@ macro_rules! not_offered {
     };
 }
 
-not_offered!(rdma_join_multicast(id: *mut rdma_cm_id, addr: *mut sockaddr, context: *mut c_void));
-not_offered!(rdma_join_multicast_ex(id: *mut rdma_cm_id, attr: *mut c_void, context: *mut c_void));
-not_offered!(rdma_leave_multicast(id: *mut rdma_cm_id, addr: *mut sockaddr));
 not_offered!(rdma_set_local_ece(id: *mut rdma_cm_id, ece: *mut ibv_ece));
 not_offered!(rdma_get_remote_ece(id: *mut rdma_cm_id, ece: *mut ibv_ece));

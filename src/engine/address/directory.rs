@@ -182,6 +182,11 @@ impl Directory {
         Ok(Directory { dir })
     }
 
+    /// The directory itself (its other entries: `address::multicast`).
+    pub(super) fn path(&self) -> &Path {
+        &self.dir
+    }
+
     fn io_error(&self, source: std::io::Error) -> DirectoryError {
         DirectoryError::Io {
             path: self.dir.clone(),
@@ -324,27 +329,26 @@ pub(in crate::engine) fn write_private(path: &Path, content: &[u8]) -> std::io::
     f.write_all(content)
 }
 
-fn read_entry(path: &Path) -> Entry {
-    // O_NONBLOCK: a FIFO in its place must not hang the reader.
-    let Ok(f) = OpenOptions::new()
+/// The text of `path` if it is a regular file of this euid of at most `max` bytes, never
+/// following a link nor blocking on a FIFO.
+pub(super) fn read_own_file(path: &Path, max: usize) -> Option<String> {
+    let f = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
-    else {
-        return Entry::Unusable;
-    };
+        .ok()?;
     let sound = f.metadata().is_ok_and(|m| {
-        m.is_file() && m.uid() == nix::unistd::geteuid().as_raw() && m.len() <= MAX_ENTRY as u64
+        m.is_file() && m.uid() == nix::unistd::geteuid().as_raw() && m.len() <= max as u64
     });
     let mut text = String::new();
-    if !sound
-        || File::take(f, MAX_ENTRY as u64)
-            .read_to_string(&mut text)
-            .is_err()
-    {
-        return Entry::Unusable;
+    (sound && File::take(f, max as u64).read_to_string(&mut text).is_ok()).then_some(text)
+}
+
+fn read_entry(path: &Path) -> Entry {
+    match read_own_file(path, MAX_ENTRY) {
+        Some(text) => parse_entry(&text),
+        None => Entry::Unusable,
     }
-    parse_entry(&text)
 }
 
 fn parse_entry(text: &str) -> Entry {

@@ -21,6 +21,7 @@
 mod attributes;
 mod completer;
 mod local;
+mod multicast;
 mod queues;
 mod receive;
 mod requester;
@@ -259,6 +260,16 @@ impl MessageReceiver for QueuePair {
         payload: AmPayload<'_>,
     ) -> bool {
         self.on_response(locked, header, payload)
+    }
+
+    fn group_datagram(
+        self: Arc<Self>,
+        locked: &LockedWorker<'_>,
+        header: Header,
+        mgid: &[u8; 16],
+        payload: AmPayload<'_>,
+    ) -> bool {
+        self.on_group_datagram(locked, header, mgid, payload)
     }
 
     fn ack_arrived(self: Arc<Self>, locked: &LockedWorker<'_>, header: &Header) {

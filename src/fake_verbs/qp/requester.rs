@@ -86,11 +86,17 @@ impl QueuePair {
             ));
         }
         let datagram_to = Some(ud.ah.endpoint(locked));
+        let group = ud.ah.group().copied();
         let message = self.locked_then_send(locked, |q| {
             self.post_send_locked(q, req, datagram_to, &mut KeyCache::default())
         })?;
-        if let Some(m) = message {
-            self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq));
+        match (message, group) {
+            // A datagram to a multicast group: the engine replicates it.
+            (Some(m), Some(mgid)) => self.send_to_group(locked, &mgid, m),
+            (Some(m), None) => {
+                self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq));
+            }
+            (None, _) => {}
         }
         Ok(())
     }

@@ -115,7 +115,7 @@ impl QueuePair {
             return;
         }
         match self.qp_type {
-            QpType::Ud => self.on_datagram(q, h, payload),
+            QpType::Ud => self.on_datagram(q, h, payload, None),
             _ => self.on_uc_message(q, h, payload),
         }
     }
@@ -126,7 +126,15 @@ impl QueuePair {
         key
     }
 
-    fn on_datagram(self: &Arc<Self>, q: &mut Queues, h: Header, payload: AmPayload<'_>) {
+    /// A datagram for this QP, or (`group`) for a multicast group it is attached to: the GRH
+    /// then names the group's MGID as its destination.
+    pub(super) fn on_datagram(
+        self: &Arc<Self>,
+        q: &mut Queues,
+        h: Header,
+        payload: AmPayload<'_>,
+        group: Option<&[u8; 16]>,
+    ) {
         if h.op != Op::Send || h.flags & wire::FLAG_DATAGRAM == 0 {
             tracing::debug!("qp {:#x}: dropping a non-datagram {:?}", self.qp_num, h.op);
             return;
@@ -159,11 +167,10 @@ impl QueuePair {
         wc.byte_len = (len + GRH_LEN) as u32;
         wc.sl = h.sl;
         if h.flags & wire::FLAG_GRH != 0 {
-            let own_gid = crate::engine::address::port_gid(
-                crate::engine::host_network().ipv4,
-                self.local_lid,
-            );
-            crate::ucp::scatter(&grh_area, &grh_bytes(&h, len, &own_gid));
+            let dgid = group.copied().unwrap_or_else(|| {
+                crate::engine::address::port_gid(crate::engine::host_network().ipv4, self.local_lid)
+            });
+            crate::ucp::scatter(&grh_area, &grh_bytes(&h, len, &dgid));
             wc.wc_flags |= WC_GRH;
         }
         let key = Self::next_receive_key(q);
