@@ -84,6 +84,38 @@ fn rstream_default_test_set() {
     }
 }
 
+/// librspreload.so (rdma-core's socket-to-rsocket preload) beside ugdr: `rstream -T s` uses
+/// plain sockets, which librspreload turns into rsockets, i.e. ugdr's; ugdr's own CM, lookup
+/// and discovery sockets must not become rsockets in turn (they are made by system call).
+#[test]
+fn plain_sockets_become_ugdr_rsockets_under_librspreload() {
+    let rspreload = "/usr/lib/x86_64-linux-gnu/rsocket/librspreload.so";
+    assert!(
+        std::path::Path::new(rspreload).exists(),
+        "{rspreload} (package librdmacm1) missing"
+    );
+    let preload = format!("{} {rspreload}", lib_path().display());
+    let port = free_port();
+    let p = port.to_string();
+    let args = ["-T", "s", "-S", "100000", "-C", "40", "-p", &p];
+    let mut server = preloaded("rstream", &args);
+    let mut client = preloaded("rstream", &[&args[..], &["-s", "127.0.0.1"]].concat());
+    for c in [&mut server, &mut client] {
+        c.env("LD_PRELOAD", &preload).env("UGDR_LOG", "debug");
+    }
+    let (so, co) = run_pingpong(server, client, port, Duration::from_secs(120));
+    assert_success(&so, "rstream -T s server under librspreload");
+    assert_success(&co, "rstream -T s client under librspreload");
+    for out in [stdout(&so), stdout(&co)] {
+        assert_report(&out, "97k", "40");
+    }
+    let log = String::from_utf8_lossy(&co.stderr);
+    assert!(
+        log.contains("ugdr::rsocket::stream: rsocket") && log.contains("ConnectResponse status 0"),
+        "the client's socket was not one of ugdr's rsockets:\n{log}"
+    );
+}
+
 #[test]
 fn rstream_verified_blocking() {
     local("rstream", &[&SIZE[..], &["-T", "v", "-T", "b"]].concat());

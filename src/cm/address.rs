@@ -1,13 +1,14 @@
 //! IP addressing for the CM: which addresses are this host's, and which source address the
 //! kernel's routing table picks for a destination.
 
+use crate::sys::socket::bind_udp;
 use std::io;
-use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, SocketAddr};
 
 /// Whether `ip` is an address of this host (loopback included): the kernel lets a socket bind
 /// to it.
 pub fn is_local(ip: IpAddr) -> bool {
-    ip.is_unspecified() || UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+    ip.is_unspecified() || bind_udp(SocketAddr::new(ip, 0)).is_ok()
 }
 
 /// The source address the routing table picks to reach `dst` (a connected UDP socket sends
@@ -17,7 +18,7 @@ pub fn route_source(dst: IpAddr) -> io::Result<IpAddr> {
         IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
         IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
     };
-    let sock = UdpSocket::bind(SocketAddr::new(any, 0))?;
+    let sock = bind_udp(SocketAddr::new(any, 0))?;
     // Port 9 (discard): any port will do, nothing is sent.
     sock.connect(SocketAddr::new(dst, 9))?;
     Ok(sock.local_addr()?.ip())

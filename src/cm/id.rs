@@ -155,8 +155,7 @@ fn random_psn() -> u32 {
 
 /// A TCP socket bound to `addr`: what holds an id's address and port.
 pub(super) fn bind_socket(addr: SocketAddr) -> Result<Socket, CmError> {
-    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    sock.set_cloexec(true)?;
+    let sock = crate::sys::socket::new_socket(Domain::for_address(addr), Type::STREAM)?;
     // Connections of an earlier run in TIME_WAIT must not keep the port (an RDMA CM port has
     // no TIME_WAIT); a second live listener still gets EADDRINUSE.
     sock.set_reuse_address(true)?;
@@ -377,13 +376,15 @@ impl CmId {
         let id = Arc::clone(self);
         spawn_cm_thread("ugdr-cm-resolve", move || {
             let probe = SocketAddr::new(dst.ip(), crate::engine::address::query_port());
-            let answer =
-                match TcpStream::connect_timeout(&probe, timeout.max(Duration::from_millis(1))) {
-                    Ok(_) => Ok(()),
-                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(()),
-                    Err(e) if e.kind() == io::ErrorKind::TimedOut => Err(libc::ETIMEDOUT),
-                    Err(e) => Err(e.raw_os_error().unwrap_or(libc::EHOSTUNREACH)),
-                };
+            let answer = match crate::sys::socket::connect_tcp(
+                &probe,
+                timeout.max(Duration::from_millis(1)),
+            ) {
+                Ok(_) => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => Err(libc::ETIMEDOUT),
+                Err(e) => Err(e.raw_os_error().unwrap_or(libc::EHOSTUNREACH)),
+            };
             let mut s = id.state();
             if s.phase != Phase::ResolvingAddr {
                 return;

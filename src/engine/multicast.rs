@@ -406,15 +406,14 @@ impl Engine {
 impl Discovery {
     /// The sockets and their thread; None when the host has no interface to other hosts.
     fn start(engine: &Engine) -> std::io::Result<Option<Discovery>> {
-        use socket2::{Domain, Socket, Type};
+        use socket2::{Domain, Type};
         let iface = engine.network.ipv4;
         if iface.is_loopback() {
             return Ok(None);
         }
         let port = super::address::query_port();
         let udp = |port: u16, shared: bool| -> std::io::Result<UdpSocket> {
-            let s = Socket::new(Domain::IPV4, Type::DGRAM, None)?;
-            s.set_cloexec(true)?;
+            let s = crate::sys::socket::new_socket(Domain::IPV4, Type::DGRAM)?;
             if shared {
                 s.set_reuse_address(true)?;
                 s.set_reuse_port(true)?;

@@ -13,6 +13,8 @@
 
 include!(concat!(env!("OUT_DIR"), "/sys.rs"));
 
+pub mod socket;
+
 pub mod dl;
 pub mod ucs;
 pub mod verbs;

@@ -176,7 +176,7 @@ fn query_at(
         ErrorKind::WouldBlock | ErrorKind::TimedOut => LookupError::TimedOut(timeout),
         kind => LookupError::Unreachable(kind),
     };
-    let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(failed)?;
+    let mut stream = crate::sys::socket::connect_tcp(&addr, timeout).map_err(failed)?;
     let left = time_left(deadline).ok_or(LookupError::TimedOut(timeout))?;
     stream.set_write_timeout(Some(left)).map_err(failed)?;
     stream
@@ -314,12 +314,11 @@ fn answer(question: &[u8], dir: &Directory, secret: &Secret, peer: &str) -> Stri
 
 /// Binds the host's lookup port (shared by every ugdr process of this user on the host).
 pub fn bind_query_listener() -> io::Result<TcpListener> {
-    use socket2::{Domain, Socket, Type};
+    use socket2::{Domain, Type};
     let port = query_port();
-    let sock = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+    let sock = crate::sys::socket::new_socket(Domain::IPV4, Type::STREAM)?;
     sock.set_reuse_address(true)?;
     sock.set_reuse_port(true)?;
-    sock.set_cloexec(true)?;
     let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port);
     let taken = |e: io::Error| {
         if e.kind() == ErrorKind::AddrInUse {
