@@ -41,10 +41,14 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 11] = [
+    let cases: [(&str, fn()); 12] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
+        ),
+        (
+            "shared_file_memory_is_direct_too_while_the_target_is_stopped",
+            shared_memfd_while_stopped,
         ),
         ("refused_accesses_go_to_the_responder_and_fail", refusals),
         ("nothing_lands_after_deregistration_returns", dereg_race),
@@ -96,6 +100,16 @@ fn main() {
 
 fn while_stopped() {
     run("while_stopped", &[], Requester::Privileged);
+}
+/// The target's memory is a shared memfd mapping at a file offset (SPDK's `--no-huge`
+/// memory): ugdr adopts the file instead of moving the pages, and WRITE/READ still complete
+/// while the target is stopped, landing where the target sees them.
+fn shared_memfd_while_stopped() {
+    run(
+        "while_stopped",
+        &[("UGDR_TEST_SHARED_MEMFD", "1")],
+        Requester::Privileged,
+    );
 }
 fn refusals() {
     run("refusals", &[], Requester::Privileged);
@@ -330,6 +344,29 @@ impl Region {
         assert_ne!(p, libc::MAP_FAILED);
         Region { ptr: p.cast(), len }
     }
+    /// A shared mapping of a memfd, two pages into the file (as DPDK's `--no-huge` memory is
+    /// a memfd mapped MAP_SHARED); the descriptor stays open, as DPDK keeps it.
+    fn shared_memfd(len: usize) -> Region {
+        let fd = unsafe { libc::memfd_create(c"test-shared".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0, "memfd_create: errno {}", errno());
+        let offset = 2 * PAGE;
+        assert_eq!(
+            unsafe { libc::ftruncate(fd, (offset + len + PAGE) as libc::off_t) },
+            0
+        );
+        let p = unsafe {
+            libc::mmap(
+                null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                offset as libc::off_t,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Region { ptr: p.cast(), len }
+    }
     fn addr(&self) -> u64 {
         self.ptr as u64
     }
@@ -380,7 +417,11 @@ fn target_role() {
     }
     let dev = Device::open();
     let cq = dev.cq(256);
-    let rw = Region::new(RW_LEN);
+    let rw = if std::env::var_os("UGDR_TEST_SHARED_MEMFD").is_some() {
+        Region::shared_memfd(RW_LEN)
+    } else {
+        Region::new(RW_LEN)
+    };
     let ro = Region::new(RO_LEN);
     let recv = Region::new(PAGE);
     let mut rw_mr = rw.reg(&dev, LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ);

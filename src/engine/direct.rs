@@ -141,7 +141,12 @@ impl LocalMemory {
         if backings.iter().any(|b| b.overlaps(addr, end)) {
             return None; // partly shared already: this region keeps to the message path
         }
-        match Backing::share(addr, len) {
+        let shared = Backing::share(addr, len).or_else(|e| match e.raw_os_error() {
+            // Not private anonymous memory: a shared mapping of a file is as good.
+            Some(libc::EOPNOTSUPP) => Backing::adopt_shared(addr, len),
+            _ => Err(e),
+        });
+        match shared {
             Ok(b) => {
                 let b = Arc::new(b);
                 backings.push(Arc::clone(&b));

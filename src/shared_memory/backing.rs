@@ -10,7 +10,13 @@
 //! `fork()`ed child shares them instead of copying them on write), and a store the application
 //! makes to the registered buffer itself while `ibv_reg_mr` runs may be lost. Ranges that are
 //! file-backed, shared already, the main thread's stack (which grows), or not readable and
-//! writable are left alone (`share` fails): their MRs use the message path.
+//! writable are left alone (`share` fails).
+//!
+//! [`Backing::adopt_shared`] takes memory that is a shared, read-write mapping of a file the
+//! process still has open already (DPDK's and so SPDK's `--no-huge` memory is a memfd mapped
+//! `MAP_SHARED`; so is memory other programs share on purpose): nothing moves, ugdr opens the
+//! file again through that descriptor and publishes where the range lies in it. Anything else
+//! (a private file mapping, a file no descriptor holds any more) keeps to the message path.
 
 use super::{Mapping, file_identity, memfd, open_peer_fd, page_size};
 use crate::ucp::AppSpan;
@@ -22,9 +28,11 @@ use std::os::fd::{AsRawFd, OwnedFd};
 pub struct Backing {
     fd: OwnedFd,
     ino: u64,
-    /// Page-aligned start and length of the moved range.
+    /// Page-aligned start and length of the range.
     base: u64,
     len: u64,
+    /// Where `base` lies in the file (0 for memory ugdr moved onto its own memfd).
+    file_offset: u64,
 }
 
 impl Backing {
@@ -78,6 +86,30 @@ impl Backing {
             ino,
             base,
             len: size,
+            file_offset: 0,
+        })
+    }
+
+    /// Adopts the whole pages inside `[addr, addr + len)` when they are one shared read-write
+    /// mapping of a file this process holds a descriptor of (see the module comment).
+    pub fn adopt_shared(addr: u64, len: u64) -> io::Result<Backing> {
+        let (base, end) = addr
+            .checked_add(len)
+            .and_then(|end| whole_pages(addr, end))
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ERANGE))?;
+        let maps = std::fs::read_to_string("/proc/self/maps")?;
+        let file = shared_file_of(&maps, base, end)?;
+        let fd = open_by_identity(file.dev, file.ino)?;
+        let (size, ino) = file_identity(&fd)?;
+        if ino != file.ino || file.offset.saturating_add(end - base) > size {
+            return Err(io::Error::from_raw_os_error(libc::ESTALE));
+        }
+        Ok(Backing {
+            fd,
+            ino,
+            base,
+            len: end - base,
+            file_offset: file.offset,
         })
     }
 
@@ -108,9 +140,9 @@ impl Backing {
         whole_pages(addr, end).is_some_and(|(s, e)| s >= self.base && e <= self.base + self.len)
     }
 
-    /// Where address `addr` (inside the backing) lies in the memfd.
+    /// Where address `addr` (inside the backing) lies in the file.
     pub fn offset_of(&self, addr: u64) -> u64 {
-        addr - self.base
+        self.file_offset + (addr - self.base)
     }
 
     /// Whether the application still maps this backing's pages from its memfd (`maps` is the
@@ -193,6 +225,99 @@ fn check_private_anonymous(start: u64, end: u64) -> io::Result<()> {
         }
     }
     Err(io::Error::from_raw_os_error(libc::EFAULT))
+}
+
+/// The file a range of shared memory maps, and where the range starts in it.
+#[derive(Debug)]
+struct SharedFile {
+    dev: u64,
+    ino: u64,
+    offset: u64,
+}
+
+/// Checks, from `maps` (`/proc/self/maps`), that `[start, end)` is one read-write shared
+/// mapping of one file, contiguous in it, and says which file and where.
+fn shared_file_of(maps: &str, start: u64, end: u64) -> io::Result<SharedFile> {
+    let unsupported = || io::Error::from_raw_os_error(libc::EOPNOTSUPP);
+    let mut covered = start;
+    let mut found: Option<SharedFile> = None;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms), Some(off), Some(dev), Some(inode)) = (
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+        ) else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
+            continue;
+        };
+        if hi <= covered || lo >= end {
+            continue;
+        }
+        let (Ok(off), Ok(ino)) = (u64::from_str_radix(off, 16), inode.parse::<u64>()) else {
+            return Err(unsupported());
+        };
+        let dev = dev
+            .split_once(':')
+            .and_then(|(ma, mi)| {
+                Some(libc::makedev(
+                    u32::from_str_radix(ma, 16).ok()?,
+                    u32::from_str_radix(mi, 16).ok()?,
+                ))
+            })
+            .ok_or_else(unsupported)?;
+        if lo > covered || ino == 0 || !perms.starts_with("rw") || !perms.ends_with('s') {
+            return Err(unsupported());
+        }
+        // Where `covered` lies in this line's file.
+        let at = off + (covered - lo);
+        match &found {
+            None => {
+                found = Some(SharedFile {
+                    dev,
+                    ino,
+                    offset: at,
+                })
+            }
+            Some(f) if f.dev == dev && f.ino == ino && f.offset + (covered - start) == at => {}
+            Some(_) => return Err(unsupported()),
+        }
+        covered = hi;
+        if covered >= end {
+            return found.ok_or_else(unsupported);
+        }
+    }
+    Err(io::Error::from_raw_os_error(libc::EFAULT))
+}
+
+/// Opens again, read-write, the file one of this process's descriptors holds with device
+/// `dev` and inode `ino` (through `/proc/self/fd`, which reopens memfds too).
+fn open_by_identity(dev: u64, ino: u64) -> io::Result<OwnedFd> {
+    for entry in std::fs::read_dir("/proc/self/fd")?.flatten() {
+        let path = entry.path();
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        use std::os::unix::fs::MetadataExt;
+        if meta.dev() != dev || meta.ino() != ino || !meta.file_type().is_file() {
+            continue;
+        }
+        if let Ok(file) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+        {
+            return Ok(OwnedFd::from(file));
+        }
+    }
+    Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
 }
 
 /// For each page of `[base, base + pages * page)`: whether it holds data (present or swapped,
@@ -290,6 +415,32 @@ impl PeerBacking {
 mod tests {
     use super::*;
     use crate::ucp::AppRegion;
+
+    #[test]
+    fn a_shared_file_range_is_found_in_the_maps_and_anything_else_refused() {
+        let maps = "\
+1000-3000 rw-s 00002000 00:01 77 /memfd:nohuge (deleted)
+3000-5000 rw-s 00004000 00:01 77 /memfd:nohuge (deleted)
+5000-6000 rw-s 00000000 00:01 78 /memfd:other (deleted)
+6000-7000 rw-p 00000000 00:00 0
+7000-8000 r--s 00000000 00:01 79 /memfd:ro (deleted)
+";
+        let f = shared_file_of(maps, 0x2000, 0x5000).unwrap();
+        assert_eq!((f.dev, f.ino, f.offset), (libc::makedev(0, 1), 77, 0x3000));
+        let refused = |lo, hi| shared_file_of(maps, lo, hi).unwrap_err().raw_os_error();
+        assert_eq!(refused(0x4000, 0x6000), Some(libc::EOPNOTSUPP), "two files");
+        assert_eq!(refused(0x6000, 0x7000), Some(libc::EOPNOTSUPP), "private");
+        assert_eq!(refused(0x7000, 0x8000), Some(libc::EOPNOTSUPP), "read-only");
+        assert_eq!(refused(0x8000, 0x9000), Some(libc::EFAULT), "not mapped");
+        // Two lines of one file that are not contiguous in it.
+        let gap = "1000-2000 rw-s 00000000 00:01 77 /f\n2000-3000 rw-s 00005000 00:01 77 /f\n";
+        assert_eq!(
+            shared_file_of(gap, 0x1000, 0x3000)
+                .unwrap_err()
+                .raw_os_error(),
+            Some(libc::EOPNOTSUPP)
+        );
+    }
 
     /// A private anonymous mapping of `pages` pages, filled with a pattern.
     fn anonymous(pages: usize) -> &'static mut [u8] {
