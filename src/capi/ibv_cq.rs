@@ -467,6 +467,9 @@ pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c
         let Some(shell) = (unsafe { CqShell::from_raw(cq.cast()) }) else {
             return c_int::fail(libc::EINVAL);
         };
+        if let Some(engine) = Engine::running() {
+            engine.note_event_wait();
+        }
         status(shell.inner.arm(solicited_only != 0))
     })
 }

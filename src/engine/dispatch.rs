@@ -81,7 +81,7 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
-fn now_us() -> u64 {
+pub(super) fn now_us() -> u64 {
     (epoch().elapsed().as_micros() as u64).max(1)
 }
 

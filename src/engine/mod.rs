@@ -372,6 +372,12 @@ impl Engine {
         self.activity.posted();
     }
 
+    /// The application armed a CQ for a completion event: it sleeps until one comes (see
+    /// the adaptive progress thread's rule in `progress.rs`).
+    pub fn note_event_wait(&self) {
+        self.activity.armed_for_events();
+    }
+
     /// Progress from a thread blocked for a completion event whose wait saw the worker's
     /// event fd become readable: deliver (and acknowledge) now if the worker is free.
     pub fn progress_for_waiter(&self) {
