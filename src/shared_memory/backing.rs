@@ -148,25 +148,11 @@ impl Backing {
     /// Whether the application still maps this backing's pages from its memfd (`maps` is the
     /// text of `/proc/self/maps`): then a new registration of the same memory can reuse it.
     pub fn still_mapped(&self, maps: &str) -> bool {
-        let ino = self.ino.to_string();
         let mut covered = self.base;
         let end = self.base + self.len;
-        for line in maps.lines() {
-            let mut f = line.split_whitespace();
-            let (Some(range), Some(_), Some(_), Some(_), Some(inode)) =
-                (f.next(), f.next(), f.next(), f.next(), f.next())
-            else {
-                continue;
-            };
-            let Some((lo, hi)) = range.split_once('-') else {
-                continue;
-            };
-            let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16))
-            else {
-                continue;
-            };
-            if inode == ino && lo <= covered && hi > covered {
-                covered = hi;
+        for m in maps_lines(maps) {
+            if m.inode == self.ino && m.lo <= covered && m.hi > covered {
+                covered = m.hi;
                 if covered >= end {
                     return true;
                 }
@@ -194,37 +180,55 @@ fn whole_pages(addr: u64, end: u64) -> Option<(u64, u64)> {
 fn check_private_anonymous(start: u64, end: u64) -> io::Result<()> {
     let maps = std::fs::read_to_string("/proc/self/maps")?;
     let mut covered = start;
-    for line in maps.lines() {
-        let mut fields = line.split_whitespace();
-        let (Some(range), Some(perms), Some(_off), Some(_dev), Some(inode)) = (
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-        ) else {
-            continue;
-        };
-        let path = fields.next().unwrap_or("");
-        let Some((lo, hi)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
-            continue;
-        };
-        if hi <= covered || lo >= end {
+    for m in maps_lines(&maps) {
+        if m.hi <= covered || m.lo >= end {
             continue;
         }
-        let anonymous = inode == "0" && (path.is_empty() || path == "[heap]");
-        if lo > covered || !anonymous || !perms.starts_with("rw") || !perms.ends_with('p') {
+        let anonymous = m.inode == 0 && (m.path.is_empty() || m.path == "[heap]");
+        if m.lo > covered || !anonymous || !m.perms.starts_with("rw") || !m.perms.ends_with('p') {
             return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
         }
-        covered = hi;
+        covered = m.hi;
         if covered >= end {
             return Ok(());
         }
     }
     Err(io::Error::from_raw_os_error(libc::EFAULT))
+}
+
+/// One line of `/proc/self/maps`.
+struct MapsLine<'a> {
+    lo: u64,
+    hi: u64,
+    perms: &'a str,
+    /// Offset in the file.
+    offset: u64,
+    dev: u64,
+    inode: u64,
+    path: &'a str,
+}
+
+/// The lines of `maps` (the text of `/proc/self/maps`) that parse.
+fn maps_lines(maps: &str) -> impl Iterator<Item = MapsLine<'_>> {
+    maps.lines().filter_map(|line| {
+        let mut f = line.split_whitespace();
+        let (range, perms, offset, dev, inode) =
+            (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+        let (lo, hi) = range.split_once('-')?;
+        let (major, minor) = dev.split_once(':')?;
+        Some(MapsLine {
+            lo: u64::from_str_radix(lo, 16).ok()?,
+            hi: u64::from_str_radix(hi, 16).ok()?,
+            perms,
+            offset: u64::from_str_radix(offset, 16).ok()?,
+            dev: libc::makedev(
+                u32::from_str_radix(major, 16).ok()?,
+                u32::from_str_radix(minor, 16).ok()?,
+            ),
+            inode: inode.parse().ok()?,
+            path: f.next().unwrap_or(""),
+        })
+    })
 }
 
 /// The file a range of shared memory maps, and where the range starts in it.
@@ -241,55 +245,28 @@ fn shared_file_of(maps: &str, start: u64, end: u64) -> io::Result<SharedFile> {
     let unsupported = || io::Error::from_raw_os_error(libc::EOPNOTSUPP);
     let mut covered = start;
     let mut found: Option<SharedFile> = None;
-    for line in maps.lines() {
-        let mut fields = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off), Some(dev), Some(inode)) = (
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-        ) else {
-            continue;
-        };
-        let Some((lo, hi)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
-            continue;
-        };
-        if hi <= covered || lo >= end {
+    for m in maps_lines(maps) {
+        if m.hi <= covered || m.lo >= end {
             continue;
         }
-        let (Ok(off), Ok(ino)) = (u64::from_str_radix(off, 16), inode.parse::<u64>()) else {
-            return Err(unsupported());
-        };
-        let dev = dev
-            .split_once(':')
-            .and_then(|(ma, mi)| {
-                Some(libc::makedev(
-                    u32::from_str_radix(ma, 16).ok()?,
-                    u32::from_str_radix(mi, 16).ok()?,
-                ))
-            })
-            .ok_or_else(unsupported)?;
-        if lo > covered || ino == 0 || !perms.starts_with("rw") || !perms.ends_with('s') {
+        if m.lo > covered || m.inode == 0 || !m.perms.starts_with("rw") || !m.perms.ends_with('s') {
             return Err(unsupported());
         }
         // Where `covered` lies in this line's file.
-        let at = off + (covered - lo);
+        let at = m.offset + (covered - m.lo);
         match &found {
             None => {
                 found = Some(SharedFile {
-                    dev,
-                    ino,
+                    dev: m.dev,
+                    ino: m.inode,
                     offset: at,
                 })
             }
-            Some(f) if f.dev == dev && f.ino == ino && f.offset + (covered - start) == at => {}
+            Some(f) if f.dev == m.dev && f.ino == m.inode && f.offset + (covered - start) == at => {
+            }
             Some(_) => return Err(unsupported()),
         }
-        covered = hi;
+        covered = m.hi;
         if covered >= end {
             return found.ok_or_else(unsupported);
         }
