@@ -223,25 +223,12 @@ impl QueuePair {
             resend: None,
             in_ucx: 0,
         });
-        let payload = match (op, req.inline_data) {
-            (_, Some(bytes)) => SendPayload::Owned(bytes),
-            (Op::Send | Op::Write, None) => {
-                match local_spans_cached(&self.pd, &req.sges, false, keys) {
-                    Some(spans) => SendPayload::Spans(spans),
-                    None => {
-                        tracing::debug!(
-                            "qp {:#x}: wr_id {} has a bad lkey or range",
-                            self.qp_num,
-                            req.wr_id
-                        );
-                        self.fail_entry(q, seq, WcStatus::LocProtErr);
-                        return Ok(None);
-                    }
-                }
-            }
-            (_, None) => {
+        let payload = match req.inline_data {
+            Some(bytes) => SendPayload::Owned(bytes),
+            None => {
                 // READ and atomics land in local memory: it must be writable.
-                let Some(spans) = local_spans_cached(&self.pd, &req.sges, true, keys) else {
+                let lands_here = !matches!(op, Op::Send | Op::Write);
+                let Some(spans) = local_spans_cached(&self.pd, &req.sges, lands_here, keys) else {
                     tracing::debug!(
                         "qp {:#x}: wr_id {} has a bad lkey or range",
                         self.qp_num,
@@ -250,16 +237,20 @@ impl QueuePair {
                     self.fail_entry(q, seq, WcStatus::LocProtErr);
                     return Ok(None);
                 };
-                if let Some(e) = q.sq.back_mut() {
-                    e.response_into = Some(spans);
-                }
-                if op == Op::Atomic {
-                    let mut operands = OwnedBytes::new();
-                    operands.extend_from_slice(&req.compare_add.to_le_bytes());
-                    operands.extend_from_slice(&req.swap.to_le_bytes());
-                    SendPayload::Owned(operands)
+                if !lands_here {
+                    SendPayload::Spans(spans)
                 } else {
-                    SendPayload::None
+                    if let Some(e) = q.sq.back_mut() {
+                        e.response_into = Some(spans);
+                    }
+                    if op == Op::Atomic {
+                        let mut operands = OwnedBytes::new();
+                        operands.extend_from_slice(&req.compare_add.to_le_bytes());
+                        operands.extend_from_slice(&req.swap.to_le_bytes());
+                        SendPayload::Owned(operands)
+                    } else {
+                        SendPayload::None
+                    }
                 }
             }
         };
