@@ -369,6 +369,10 @@ unsafe fn gather_iov(iov: *const iovec, iovcnt: c_int) -> Result<Vec<u8>, RsErro
     Ok(out)
 }
 
+/// The largest buffer a vectored receive gathers into at once (64 MiB): a stream receive may
+/// return less than asked, and the iovecs' lengths are only the caller's claim.
+const MAX_GATHERED_RECEIVE: usize = 64 << 20;
+
 /// Receives into an iovec array (rrecvmsg, rreadv): into one buffer, then scattered.
 ///
 /// # Safety
@@ -385,7 +389,19 @@ unsafe fn recv_iov(
     }
     // SAFETY: the caller's iovecs.
     let vs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
-    let total: usize = vs.iter().map(|v| v.iov_len).sum();
+    if vs.iter().any(|v| v.iov_len > 0 && v.iov_base.is_null()) {
+        return fail(RsError::Os(libc::EFAULT));
+    }
+    let Some(total) = vs
+        .iter()
+        .try_fold(0usize, |t, v| t.checked_add(v.iov_len))
+        .filter(|&t| t <= isize::MAX as usize)
+    else {
+        return fail(RsError::Os(libc::EINVAL));
+    };
+    // One receive never returns more than the window of slots; a larger total is only a
+    // claim (a stream receive may return less), so it does not size the buffer.
+    let total = total.min(MAX_GATHERED_RECEIVE);
     let mut tmp = vec![0u8; total];
     // SAFETY: `tmp` holds `total` bytes.
     let n = unsafe { recv_into(name, socket, tmp.as_mut_ptr().cast(), total, flags) };
@@ -451,8 +467,11 @@ pub unsafe extern "C-unwind" fn rrecvmsg(socket: c_int, msg: *mut msghdr, flags:
     let m = unsafe { &mut *msg };
     m.msg_controllen = 0;
     m.msg_flags = 0;
+    let Ok(iovlen) = c_int::try_from(m.msg_iovlen) else {
+        return fail(RsError::Os(libc::EMSGSIZE));
+    };
     // SAFETY: the caller's iovecs.
-    unsafe { recv_iov("rrecvmsg", socket, m.msg_iov, m.msg_iovlen as c_int, flags) }
+    unsafe { recv_iov("rrecvmsg", socket, m.msg_iov, iovlen, flags) }
 }
 
 #[unsafe(no_mangle)]
@@ -501,8 +520,12 @@ pub unsafe extern "C-unwind" fn rsendmsg(socket: c_int, msg: *const msghdr, flag
     if msg.is_null() {
         return fail(RsError::Os(libc::EINVAL));
     }
+    // SAFETY: the caller's msghdr.
+    let Ok(iovlen) = c_int::try_from(unsafe { (*msg).msg_iovlen }) else {
+        return fail(RsError::Os(libc::EMSGSIZE));
+    };
     // SAFETY: the caller's msghdr and iovecs.
-    let data = match unsafe { gather_iov((*msg).msg_iov, (*msg).msg_iovlen as c_int) } {
+    let data = match unsafe { gather_iov((*msg).msg_iov, iovlen) } {
         Ok(d) => d,
         Err(e) => return fail(e),
     };

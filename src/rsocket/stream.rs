@@ -61,8 +61,9 @@ struct State {
     fin_sent: bool,
     /// The peer closed (DISCONNECTED): end of stream after the data, EPIPE on send.
     peer_gone: bool,
-    /// Listening: accepted connections not yet taken by `raccept`.
+    /// Listening: accepted connections not yet taken by `raccept`, at most `backlog`.
     accepted: VecDeque<Arc<Stream>>,
+    backlog: usize,
     local_maps: Vec<LocalMap>,
     /// Mappings (or their ends) the peer has not been told about yet.
     map_notices: VecDeque<(u32, RemoteMap)>,
@@ -111,6 +112,7 @@ impl Stream {
                 fin_sent: false,
                 peer_gone: false,
                 accepted: VecDeque::new(),
+                backlog: 0,
                 local_maps: Vec::new(),
                 map_notices: VecDeque::new(),
             }),
@@ -150,6 +152,8 @@ impl Stream {
             _ => return Err(RsError::Os(libc::EINVAL)),
         }
         st.id.listen(backlog)?;
+        // As listen(2): a backlog below 1 means 1, and SOMAXCONN at most.
+        st.backlog = backlog.clamp(1, libc::SOMAXCONN) as usize;
         st.phase = Phase::Listening;
         Ok(())
     }
@@ -273,6 +277,17 @@ impl Stream {
     /// accepted at once (its receives posted before the REP goes).
     fn on_request(&self, st: &mut State, ev: CmEvent) {
         let id = ev.id;
+        if st.accepted.len() >= st.backlog {
+            // Each waiting connection holds its rings: a full backlog refuses, as a
+            // listening socket's does.
+            tracing::debug!(
+                "rsocket: backlog of {} full, connection refused",
+                st.backlog
+            );
+            let _ = id.reject(&[], crate::cm::REJ_CONSUMER_DEFINED);
+            id.destroy();
+            return;
+        }
         let Some(peer) = Hello::decode(&ev.param.private_data) else {
             tracing::debug!("rsocket: a connection request that is no ugdr rsocket");
             let _ = id.reject(&[], crate::cm::REJ_CONSUMER_DEFINED);
@@ -560,10 +575,15 @@ impl Stream {
         } else {
             u64::try_from(offset).map_err(|_| RsError::Os(libc::EINVAL))?
         };
+        // The range must end within off_t, as the offsets riowrite takes.
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= i64::MAX as u64)
+            .ok_or(RsError::Os(libc::EINVAL))?;
         if st
             .local_maps
             .iter()
-            .any(|m| offset < m.map.offset + m.map.len && m.map.offset < offset + len)
+            .any(|m| offset < m.map.offset + m.map.len && m.map.offset < end)
         {
             return Err(RsError::Os(libc::EINVAL));
         }

@@ -123,16 +123,22 @@ impl RemoteMap {
         b
     }
 
+    /// A notice from the peer: refused unless its range is non-empty and ends within u64.
     fn decode(b: &[u8]) -> Option<RemoteMap> {
         let u64_at = |i: usize| Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
-        Some(RemoteMap {
+        let map = RemoteMap {
             offset: u64_at(0)?,
             addr: u64_at(8)?,
             len: u64_at(16)?,
             rkey: u32::from_le_bytes(b.get(24..28)?.try_into().ok()?),
-        })
+        };
+        (map.len > 0 && map.offset.checked_add(map.len).is_some()).then_some(map)
     }
 }
+
+/// The most `riomap`ped ranges of the peer kept (its notices beyond are ignored: a peer must
+/// not grow this process's memory without bound).
+const MAX_REMOTE_MAPS: usize = 1024;
 
 /// One received message not yet fully read.
 struct Arrival {
@@ -374,7 +380,7 @@ impl Conn {
                 let bytes = self.slot_bytes(u64::from(slot) * u64::from(SEG), wc.byte_len);
                 if let Some(map) = RemoteMap::decode(&bytes) {
                     self.remote_maps.retain(|m| m.offset != map.offset);
-                    if kind == MSG_IOMAP {
+                    if kind == MSG_IOMAP && self.remote_maps.len() < MAX_REMOTE_MAPS {
                         self.remote_maps.push(map);
                     }
                 }
@@ -536,7 +542,7 @@ impl Conn {
             let off = u64::from(a.slot) * u64::from(SEG) + u64::from(a.read);
             let bytes = self.slot_bytes(off, n as u32);
             buf[done..done + bytes.len()].copy_from_slice(&bytes);
-            done += n;
+            done += bytes.len();
             if peek {
                 i += 1;
                 continue;
