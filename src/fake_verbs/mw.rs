@@ -289,13 +289,25 @@ fn window_of(rkey: u32) -> Option<Arc<MemoryWindow>> {
     WINDOWS.get(&(rkey >> 8)).map(|w| Arc::clone(w.value()))
 }
 
-/// Invalidates the type 2 window `rkey` (LOCAL_INV, or a SEND_WITH_INV that arrived). Errors:
-/// no window under that key (a region's key included), a type 1 window, an unbound one.
-pub fn invalidate(rkey: u32) -> Result<(), VerbsError> {
+/// Invalidates the type 2 window `rkey` for a QP of `pd`: a LOCAL_INV (`arrived_on` None), or
+/// a SEND_WITH_INV that arrived on QP `arrived_on`, which must be the QP the window was bound
+/// through. Errors: no window under that key (a region's key included), a window of another
+/// PD or (remotely) bound through another QP, a type 1 window, an unbound one.
+pub fn invalidate(
+    pd: &Arc<ProtectionDomain>,
+    arrived_on: Option<u32>,
+    rkey: u32,
+) -> Result<(), VerbsError> {
     let window = window_of(rkey).ok_or(VerbsError::Invalid("rkey names no memory window"))?;
     let mut b = window.binding();
     if b.rkey != rkey {
         return Err(VerbsError::Invalid("not the window's current rkey"));
+    }
+    let other_qp = |qpn| b.bound.as_ref().is_some_and(|bound| bound.qpn != qpn);
+    if !Arc::ptr_eq(&window.pd, pd) || arrived_on.is_some_and(other_qp) {
+        return Err(VerbsError::Invalid(
+            "the window belongs to another PD or was bound through another QP",
+        ));
     }
     if window.kind == WindowType::One {
         return Err(VerbsError::Invalid("type 1 windows are not invalidated"));
@@ -389,10 +401,19 @@ mod tests {
         // Bound: busy region, no second bind.
         assert!(mr.deregister().is_err());
         assert!(w.bind(&pd, 7, &bind_req(&w, &mr, a, 8)).is_err());
-        assert!(invalidate(mr.rkey()).is_err(), "a region's key");
-        assert!(invalidate(first).is_err(), "an old key");
-        invalidate(rkey).unwrap();
-        assert!(invalidate(rkey).is_err(), "already invalid");
+        assert!(
+            invalidate(&pd, Some(7), mr.rkey()).is_err(),
+            "a region's key"
+        );
+        assert!(invalidate(&pd, Some(7), first).is_err(), "an old key");
+        assert!(
+            invalidate(&pd, Some(8), rkey).is_err(),
+            "bound through another QP"
+        );
+        let other = ProtectionDomain::new(Arc::new(DeviceContext::new().expect("context")));
+        assert!(invalidate(&other, Some(7), rkey).is_err(), "another PD");
+        invalidate(&pd, Some(7), rkey).unwrap();
+        assert!(invalidate(&pd, Some(7), rkey).is_err(), "already invalid");
         assert!(remote_span(&pd, 7, rkey, a + 4096, 8, ACCESS_REMOTE_WRITE).is_none());
         w.deallocate();
         mr.deregister().unwrap();
@@ -430,7 +451,7 @@ mod tests {
         let mut outside = bind_req(&w2, &mr2, a2 + 8000, 193);
         outside.access = ACCESS_REMOTE_READ;
         assert!(w2.bind(&pd2, 1, &outside).is_err());
-        assert!(invalidate(w2.rkey()).is_err(), "type 1");
+        assert!(invalidate(&pd2, Some(1), w2.rkey()).is_err(), "type 1");
         // A type 1 unbind (length 0) changes the key and frees the region.
         let unbind = BindRequest {
             region: None,

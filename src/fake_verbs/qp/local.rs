@@ -35,7 +35,7 @@ impl QueuePair {
                 .bind(&self.pd, self.qp_num, bind)
                 .map_err(|e| (WcStatus::MwBindErr, e)),
             (SendOpcode::LocalInv, None) => {
-                mw::invalidate(req.rkey).map_err(|e| (WcStatus::LocQpOpErr, e))
+                mw::invalidate(&self.pd, None, req.rkey).map_err(|e| (WcStatus::LocQpOpErr, e))
             }
             _ => return Err(VerbsError::Invalid("BIND_MW without a memory window")),
         };
@@ -80,7 +80,7 @@ impl QueuePair {
         if h.flags & wire::FLAG_INV == 0 {
             return true;
         }
-        let Err(e) = mw::invalidate(h.rkey) else {
+        let Err(e) = mw::invalidate(&self.pd, Some(self.qp_num), h.rkey) else {
             return true;
         };
         tracing::debug!(

@@ -98,7 +98,8 @@ impl QueuePair {
         if h.flags & wire::FLAG_IMM != 0 {
             wc.wc_flags |= WC_WITH_IMM;
             wc.imm_data = h.imm_data;
-        } else if h.flags & wire::FLAG_INV != 0 {
+        } else if h.flags & wire::FLAG_INV != 0 && matches!(self.qp_type, QpType::Rc | QpType::Uc) {
+            // Only RC and UC invalidate (an XRC target's rkey field names its SRQ).
             wc.wc_flags |= WC_WITH_INV;
             wc.imm_data = h.rkey; // the union's invalidated_rkey
         }

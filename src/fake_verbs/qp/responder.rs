@@ -185,6 +185,10 @@ impl QueuePair {
                 break;
             }
             let header = front.header;
+            // Early arrivals reach this queue unchecked (see on_request_locked).
+            if self.xrc_target.is_some() && !self.xrc_request_valid(q, &header) {
+                break;
+            }
             let receive = if needs_receive(&header) {
                 match self.take_receive_for(q, &header) {
                     Some(wr) => Some(wr),

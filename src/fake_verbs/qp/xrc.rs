@@ -155,7 +155,11 @@ impl QueuePair {
     /// Anything else is NAKed as an invalid request and the QP goes to ERR (IBA 9.9.3.1.2,
     /// responder class C: IBV_EVENT_QP_REQ_ERR).
     pub(super) fn xrc_request_valid(&self, q: &mut Queues, h: &Header) -> bool {
-        if h.op == Op::Send && self.named_srq(h).is_some() {
+        // The header's rkey names the SRQ: no remote invalidation through an XRC target.
+        if h.op == Op::Send
+            && h.flags & crate::engine::wire::FLAG_INV == 0
+            && self.named_srq(h).is_some()
+        {
             return true;
         }
         tracing::debug!(
