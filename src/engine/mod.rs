@@ -484,8 +484,11 @@ pub fn random_u32() -> u32 {
 
 /// Runs the QPs' transport timers when a tick is due (a few instructions when not).
 pub(super) fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
+    if !dispatch::timers_armed() {
+        return;
+    }
     let now = std::time::Instant::now();
-    if now < *next_tick || !dispatch::timers_armed() {
+    if now < *next_tick {
         return;
     }
     *next_tick = now + TIMER_TICK;

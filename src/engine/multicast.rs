@@ -40,6 +40,11 @@ pub const MAX_GROUPS: usize = directory_groups::MAX_ENTRY_GROUPS;
 pub const MAX_GROUP_QPS: usize = 56;
 /// How many members on other hosts a group keeps.
 const MAX_REMOTE_MEMBERS: usize = 64;
+/// The largest multicast datagram fetched from a peer: the MGID in front of a UD message of
+/// at most 4096 bytes (the port's MTU; the verbs layer sends nothing larger).
+pub const MAX_FRAMED_DATAGRAM: usize = 16 + 4096;
+/// Discovery messages read per wake-up of the discovery thread.
+const MAX_MESSAGES_PER_WAKE: usize = 64;
 /// How many groups a process sends to across hosts.
 const MAX_INTEREST: usize = 256;
 /// How often the discovery thread asks again who is in the groups this process sends to.
@@ -305,6 +310,7 @@ impl Engine {
     }
 
     /// A multicast datagram from another process (the MGID, then the payload).
+    /// Rendezvous payloads larger than [`MAX_FRAMED_DATAGRAM`] are dropped unfetched.
     pub(super) fn multicast_arrived(
         &self,
         locked: &LockedWorker<'_>,
@@ -314,6 +320,10 @@ impl Engine {
         match payload {
             AmPayload::Transient(b) => self.deliver_framed(locked, &h, b),
             AmPayload::Persistent(d) => self.deliver_framed(locked, &h, d.bytes()),
+            AmPayload::Rendezvous(d) if d.len() > MAX_FRAMED_DATAGRAM => {
+                // The sender names the length: nothing larger than a UD message is fetched.
+                tracing::debug!("multicast: dropping a {}-byte datagram", d.len());
+            }
             AmPayload::Rendezvous(d) => {
                 tracing::debug!("multicast: fetching a {}-byte datagram", d.len());
                 let buf = Arc::new(Mutex::new(vec![0u8; d.len()]));
@@ -507,7 +517,11 @@ fn discovery_loop() {
             } else {
                 &d.query_socket
             };
-            while let Ok((n, from)) = socket.recv_from(&mut buf) {
+            // Bounded per wake-up: a flood must not keep the refresh and the sweep from running.
+            for _ in 0..MAX_MESSAGES_PER_WAKE {
+                let Ok((n, from)) = socket.recv_from(&mut buf) else {
+                    break;
+                };
                 match Message::decode(engine.gate.secret(), &buf[..n]) {
                     Some(m) => heard(engine, d, m, from),
                     None => tracing::debug!("multicast: dropped a discovery message from {from}"),

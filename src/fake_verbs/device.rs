@@ -44,6 +44,9 @@ pub const MAX_CQE: i32 = 1 << 22;
 pub const MAX_RD_ATOMIC: i32 = 16;
 /// The port's active MTU in bytes (`IBV_MTU_4096`): the largest UD message.
 pub const ACTIVE_MTU_BYTES: u32 = 4096;
+// Multicast receivers fetch nothing larger than the engine's bound.
+const _: () =
+    assert!(16 + ACTIVE_MTU_BYTES as usize <= crate::engine::multicast::MAX_FRAMED_DATAGRAM);
 /// The area in front of every UD receive where the Global Routing Header lands.
 pub const GRH_LEN: usize = 40;
 /// Largest message (the port's max_msg_sz): 1 GiB.

@@ -116,13 +116,13 @@ fn group_list(groups: &[[u8; 16]]) -> String {
         .join(",")
 }
 
+/// What an entry's MAC covers (the same for making and checking it).
+fn entry_parts<'a>(pid: &'a [u8; 4], lid: &'a [u8; 2], list: &'a str) -> [&'a [u8]; 4] {
+    [ENTRY_LABEL, pid, lid, list.as_bytes()]
+}
+
 fn entry_mac(secret: &Secret, pid: i32, lid: u16, list: &str) -> [u8; MAC_LEN] {
-    secret.mac(&[
-        ENTRY_LABEL,
-        &pid.to_le_bytes(),
-        &lid.to_le_bytes(),
-        list.as_bytes(),
-    ])
+    secret.mac(&entry_parts(&pid.to_le_bytes(), &lid.to_le_bytes(), list))
 }
 
 /// The groups an `mcast-XXXX` entry of port `lid` names, if it is sound, proven and its
@@ -136,12 +136,7 @@ fn parse_entry(secret: &Secret, lid: u16, text: &str) -> Option<Vec<[u8; 16]>> {
     let pid = pid.parse::<i32>().ok().filter(|p| *p > 0)?;
     let mac = hex_decode(mac)?;
     if !secret.verify(
-        &[
-            ENTRY_LABEL,
-            &pid.to_le_bytes(),
-            &lid.to_le_bytes(),
-            list.as_bytes(),
-        ],
+        &entry_parts(&pid.to_le_bytes(), &lid.to_le_bytes(), list),
         &mac,
     ) || !pid_alive(pid)
     {
@@ -206,15 +201,20 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-fn message_mac(secret: &Secret, m: &Message, time: u64) -> [u8; MAC_LEN] {
-    secret.mac(&[
+/// What a message's MAC covers (the same for making and checking it).
+fn message_parts<'a>(m: &'a Message, time: &'a [u8; 8]) -> [&'a [u8]; 6] {
+    [
         MESSAGE_LABEL,
         m.kind.word().as_bytes(),
         &m.mgid,
         &m.gid,
-        &time.to_le_bytes(),
+        time,
         &m.nonce,
-    ])
+    ]
+}
+
+fn message_mac(secret: &Secret, m: &Message, time: u64) -> [u8; MAC_LEN] {
+    secret.mac(&message_parts(m, &time.to_le_bytes()))
 }
 
 impl Message {
@@ -272,17 +272,7 @@ impl Message {
             nonce: hex_decode(nonce)?.try_into().ok()?,
         };
         secret
-            .verify(
-                &[
-                    MESSAGE_LABEL,
-                    m.kind.word().as_bytes(),
-                    &m.mgid,
-                    &m.gid,
-                    &time.to_le_bytes(),
-                    &m.nonce,
-                ],
-                &hex_decode(mac)?,
-            )
+            .verify(&message_parts(&m, &time.to_le_bytes()), &hex_decode(mac)?)
             .then_some(m)
     }
 }

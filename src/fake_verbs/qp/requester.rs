@@ -427,11 +427,15 @@ impl QueuePair {
             (Op::ReadRequest, _) => false,
             _ => return None,
         };
-        if self.qp_type != QpType::Rc || length == 0 || q.sq.iter().any(|e| e.outcome.is_none()) {
+        if self.qp_type != QpType::Rc || length == 0 {
             return None;
         }
+        // A peer on another host has no shared memory: known before scanning the queue.
         let peer = q.peer.as_ref()?;
         let memory = peer.memory.as_ref()?;
+        if q.sq.iter().any(|e| e.outcome.is_none()) {
+            return None;
+        }
         let spans = match &req.inline_data {
             Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
             None => local_spans_cached(&self.pd, &req.sges, !write, keys)?,
