@@ -50,3 +50,15 @@ fn xrc_domains_srqs_and_queue_pairs() {
     let exe = build_c("xrc", &["-libverbs"]);
     run_under_ugdr(&exe, "xrc");
 }
+
+/// RDMA WRITE, WRITE_WITH_IMM, READ and atomics over XRC (`tests/c/xrc_rdma.c`): the rkey is
+/// checked in the PD of the XRC SRQ each WR names (a region of another PD is written only
+/// through an SRQ of that PD); WRITE_WITH_IMM completes a WR of that SRQ on its CQ; a bad
+/// rkey, an MR of another PD, missing access (MR or target QP) and a range past the MR are
+/// IBV_WC_REM_ACCESS_ERR with the target QP to ERR (IBV_EVENT_QP_ACCESS_ERR), every field
+/// and byte checked.
+#[test]
+fn xrc_rdma_and_atomics_check_the_named_srqs_pd() {
+    let exe = build_c("xrc_rdma", &["-libverbs"]);
+    run_under_ugdr(&exe, "xrc_rdma");
+}

@@ -40,11 +40,20 @@ const RC_SEND_OPS: u64 = UC_SEND_OPS
         | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
         | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD.0) as u64;
 
+/// XRC: SENDs, RDMA and atomics (no memory-window operations).
+const XRC_SEND_OPS: u64 = UD_SEND_OPS
+    | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD.0) as u64;
+
 fn supported_send_ops(qp_type: u32) -> u64 {
     match QpType::from_raw(qp_type) {
         Some(QpType::Rc) => RC_SEND_OPS,
         Some(QpType::Uc) => UC_SEND_OPS,
-        Some(QpType::Ud | QpType::XrcSend) => UD_SEND_OPS,
+        Some(QpType::XrcSend) => XRC_SEND_OPS,
+        Some(QpType::Ud) => UD_SEND_OPS,
         _ => 0,
     }
 }

@@ -18,7 +18,12 @@
 //! | 24 | 8 | remote address (RDMA operations) |
 //! | 32 | 4 | rkey (RDMA operations; a SEND with [`FLAG_INV`]: the key to invalidate) |
 //! | 36 | 4 | length (RDMA READ: bytes requested) |
-//! | 40 | 4 | piggybacked ACK: every message of the reverse direction up to this sequence number was delivered (valid with [`FLAG_ACK`]) |
+//! | 40 | 4 | piggybacked ACK: every message of the reverse direction up to this sequence number was delivered (valid with [`FLAG_ACK`]); in an XRC request, the XRC SRQ number ([`Header::xrc_srqn`]) |
+//!
+//! An XRC request (from an XRC_SEND QP: SEND, WRITE, READ or atomic) names the XRC SRQ at the
+//! target, as IBA's XRCETH does, in the slot of the piggybacked ACK: an XRC_SEND QP only
+//! requests (it never executes a request, so it never owes an ACK), and an XRC target QP only
+//! answers. Every other field means what it means for RC (a WRITE's `rkey` is the rkey).
 //!
 //! A UD SEND ([`FLAG_DATAGRAM`]) reuses the fields RDMA operations need and datagrams do not:
 //! `rkey` is the Q_Key, and with [`FLAG_GRH`] (the sender's address handle had a GRH)
@@ -139,6 +144,18 @@ impl Header {
         }
     }
 
+    /// The XRC SRQ an XRC request names (see the module comment); None when the slot
+    /// carries an ACK instead, which no XRC request does.
+    pub fn xrc_srqn(&self) -> Option<u32> {
+        (self.flags & FLAG_ACK == 0).then_some(self.ack_seq)
+    }
+
+    /// Names the XRC SRQ at the target of an XRC request (no piggybacked ACK then).
+    pub fn set_xrc_srqn(&mut self, srqn: u32) {
+        self.flags &= !FLAG_ACK;
+        self.ack_seq = srqn;
+    }
+
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0] = VERSION;
@@ -228,6 +245,18 @@ mod tests {
         let b = h.encode();
         assert_eq!(b[0], VERSION);
         assert_eq!(Header::decode(&b), Some(h));
+    }
+
+    #[test]
+    fn an_xrc_request_names_its_srq_only_without_an_ack() {
+        let mut h = Header::new(Op::Write, 1, 2, 3, 4);
+        h.flags = FLAG_ACK | FLAG_IMM;
+        h.ack_seq = 9;
+        assert_eq!(h.xrc_srqn(), None, "the slot carries an ACK");
+        h.set_xrc_srqn(0x00ab_cdef);
+        assert_eq!(h.flags, FLAG_IMM);
+        let back = Header::decode(&h.encode()).expect("decodes");
+        assert_eq!(back.xrc_srqn(), Some(0x00ab_cdef));
     }
 
     #[test]

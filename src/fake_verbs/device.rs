@@ -69,8 +69,8 @@ pub mod odp {
     pub const RC_CAPS: u32 = SEND | RECV | WRITE | READ | ATOMIC | SRQ_RECV;
     pub const UC_CAPS: u32 = SEND | RECV | WRITE | SRQ_RECV;
     pub const UD_CAPS: u32 = SEND | RECV | SRQ_RECV;
-    /// XRC carries SENDs into XRC SRQs.
-    pub const XRC_CAPS: u32 = SEND | SRQ_RECV;
+    /// XRC carries SENDs into XRC SRQs, RDMA and atomics.
+    pub const XRC_CAPS: u32 = SEND | WRITE | READ | ATOMIC | SRQ_RECV;
 }
 
 impl DeviceAttributes {

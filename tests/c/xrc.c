@@ -7,81 +7,7 @@
  * IBV_EVENT_QP_REQ_ERR), a SEND above the SRQ WR's length (LOC_LEN_ERR on the SRQ's CQ), a
  * SEND waiting for an SRQ WR (RNR), xrcd open flags, closing an xrcd in use (EBUSY), ibv_open_qp of a
  * number that is not a target QP of the domain. Exit 0 and "xrc: ok" only if all hold. */
-#include "verbs_test.h"
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <stdint.h>
-#include <unistd.h>
-
-static struct ibv_context *ctx;
-static uint16_t lid;
-
-static struct ibv_xrcd *open_xrcd(int fd, int oflags)
-{
-    struct ibv_xrcd_init_attr a = { .comp_mask = IBV_XRCD_INIT_ATTR_FD | IBV_XRCD_INIT_ATTR_OFLAGS,
-                                    .fd = fd, .oflags = oflags };
-    return ibv_open_xrcd(ctx, &a);
-}
-
-static struct ibv_srq *xrc_srq(struct ibv_xrcd *xrcd, struct ibv_pd *pd, struct ibv_cq *cq)
-{
-    struct ibv_srq_init_attr_ex a = {
-        .attr = { .max_wr = 8, .max_sge = 1 },
-        .comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_XRCD | IBV_SRQ_INIT_ATTR_CQ |
-                     IBV_SRQ_INIT_ATTR_PD,
-        .srq_type = IBV_SRQT_XRC, .xrcd = xrcd, .cq = cq, .pd = pd };
-    struct ibv_srq *srq = ibv_create_srq_ex(ctx, &a);
-    CHECK(srq, "create XRC SRQ");
-    return srq;
-}
-
-static struct ibv_qp *target_qp(struct ibv_xrcd *xrcd)
-{
-    struct ibv_qp_init_attr_ex a = { .qp_type = IBV_QPT_XRC_RECV, .comp_mask = IBV_QP_INIT_ATTR_XRCD,
-                                     .xrcd = xrcd };
-    struct ibv_qp *qp = ibv_create_qp_ex(ctx, &a);
-    CHECK(qp && qp->qp_type == IBV_QPT_XRC_RECV && qp->srq == NULL, "create XRC_RECV QP");
-    return qp;
-}
-
-static struct ibv_qp *send_qp(struct ibv_pd *pd, struct ibv_cq *cq)
-{
-    struct ibv_qp_init_attr_ex a = { .qp_type = IBV_QPT_XRC_SEND, .send_cq = cq,
-        .cap = { .max_send_wr = 8, .max_send_sge = 1, .max_inline_data = 64 },
-        .comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS, .pd = pd,
-        .send_ops_flags = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM };
-    struct ibv_qp *qp = ibv_create_qp_ex(ctx, &a);
-    CHECK(qp && qp->qp_type == IBV_QPT_XRC_SEND, "create XRC_SEND QP");
-    return qp;
-}
-
-/* INIT → RTR (towards dqpn on this port) → RTS, with xsrq_pingpong's attributes. */
-static void connect_qp(struct ibv_qp *qp, uint32_t dqpn, int target)
-{
-    struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
-                             .qp_access_flags = target ? IBV_ACCESS_REMOTE_WRITE : 0 };
-    CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "INIT");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTR; a.dest_qp_num = dqpn; a.path_mtu = IBV_MTU_1024; a.rq_psn = 7;
-    a.min_rnr_timer = 12; a.ah_attr.dlid = lid; a.ah_attr.port_num = 1;
-    int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN;
-    if (target)
-        mask |= IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
-    CHECK(ibv_modify_qp(qp, &a, mask) == 0, "RTR");
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.sq_psn = 7;
-    mask = IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_SQ_PSN;
-    if (!target)
-        mask |= IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
-    CHECK(ibv_modify_qp(qp, &a, mask) == 0, "RTS");
-}
-
-static void post_srq(struct ibv_srq *srq, struct ibv_mr *mr, char *buf, uint32_t len, uint64_t wr_id)
-{
-    struct ibv_sge sge = { .addr = (uintptr_t)buf, .length = len, .lkey = mr->lkey };
-    struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 }, *bad;
-    CHECK(ibv_post_srq_recv(srq, &wr, &bad) == 0, "post_srq_recv");
-}
+#include "xrc_test.h"
 
 static int post_xrc_send(struct ibv_qp *qp, struct ibv_mr *mr, char *buf, uint32_t len, uint64_t wr_id,
                          uint32_t srqn, uint32_t imm)
@@ -125,43 +51,9 @@ static void expect_recv_wc(struct ibv_cq *cq, uint64_t wr_id, uint32_t tgt_qpn, 
     CHECK(wc.slid == lid && wc.sl == 0 && wc.dlid_path_bits == 0 && wc.pkey_index == 0, "recv path fields");
 }
 
-static void expect_empty(struct ibv_cq *cq, const char *what)
-{
-    struct ibv_wc wc;
-    usleep(100 * 1000);
-    CHECK(ibv_poll_cq(cq, 1, &wc) == 0, "%s: no completion expected", what);
-}
-
-static enum ibv_qp_state qp_state(struct ibv_qp *qp)
-{
-    struct ibv_qp_attr a;
-    struct ibv_qp_init_attr i;
-    CHECK(ibv_query_qp(qp, &a, IBV_QP_STATE, &i) == 0, "query_qp");
-    return a.qp_state;
-}
-
-/* The next async event is `type` about `qp`. */
-static void expect_qp_event(enum ibv_event_type type, struct ibv_qp *qp)
-{
-    struct ibv_async_event ev;
-    CHECK(ibv_get_async_event(ctx, &ev) == 0, "get_async_event");
-    CHECK(ev.event_type == type && ev.element.qp == qp, "async event %s on %p, expected %s on %p",
-          ibv_event_type_str(ev.event_type), (void *)ev.element.qp, ibv_event_type_str(type), (void *)qp);
-    ibv_ack_async_event(&ev);
-}
-
 int main(void)
 {
-    int n;
-    struct ibv_device **list = ibv_get_device_list(&n);
-    CHECK(list && n > 0, "device list");
-    ctx = ibv_open_device(list[0]);
-    CHECK(ctx, "open_device");
-    struct ibv_device_attr dattr;
-    CHECK(ibv_query_device(ctx, &dattr) == 0 && (dattr.device_cap_flags & IBV_DEVICE_XRC), "IBV_DEVICE_XRC");
-    struct ibv_port_attr port;
-    CHECK(ibv_query_port(ctx, 1, &port) == 0, "query_port");
-    lid = port.lid;
+    struct ibv_device **list = open_xrc_device();
 
     /* Domains: the same file opened twice is one domain; open flags as the kernel's. */
     char path[] = "/tmp/ugdr-xrc-XXXXXX";
@@ -202,7 +94,7 @@ int main(void)
     CHECK(ibv_close_xrcd(x1) == EBUSY, "%s", "ibv_close_xrcd(x1)"); /* its SRQ remains */
     CHECK(ibv_destroy_cq(rcq) == EBUSY, "%s", "ibv_destroy_cq(rcq)"); /* the XRC SRQ completes on it */
     struct ibv_qp *tgt = target_qp(x2);
-    struct ibv_qp *snd = send_qp(pd, scq);
+    struct ibv_qp *snd = send_qp(pd, scq, IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM);
     connect_qp(tgt, snd->qp_num, 1);
     connect_qp(snd, tgt->qp_num, 0);
     CHECK(qp_state(tgt) == IBV_QPS_RTS && qp_state(snd) == IBV_QPS_RTS, "both in RTS");
@@ -280,7 +172,7 @@ int main(void)
 
     /* 5. A number that is no SRQ at all, on a fresh pair of the same domain. */
     struct ibv_qp *tgt2 = target_qp(x1);
-    struct ibv_qp *snd2 = send_qp(pd, scq);
+    struct ibv_qp *snd2 = send_qp(pd, scq, IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM);
     connect_qp(tgt2, snd2->qp_num, 1);
     connect_qp(snd2, tgt2->qp_num, 0);
     CHECK(post_xrc_send(snd2, smr, sbuf, 10, 6, 0, 6) == 0, "post_send to SRQ 0");
@@ -292,7 +184,7 @@ int main(void)
     /* 6. A SEND longer than the SRQ's WR: LOC_LEN_ERR on the SRQ's CQ, REM_INV_REQ_ERR at the
      * sender, the target QP to ERR with IBV_EVENT_QP_REQ_ERR. */
     struct ibv_qp *tgt3 = target_qp(x1);
-    struct ibv_qp *snd3 = send_qp(pd, scq);
+    struct ibv_qp *snd3 = send_qp(pd, scq, IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM);
     connect_qp(tgt3, snd3->qp_num, 1);
     connect_qp(snd3, tgt3->qp_num, 0);
     post_srq(srq, rmr, rbuf[1], 16, 104);

@@ -93,16 +93,29 @@ impl QueuePair {
         wc.src_qp = h.src_qpn;
         wc.slid = h.src_lid;
         if self.xrc_target.is_some() {
-            wc.xrc_srqn = h.rkey;
+            wc.xrc_srqn = h.xrc_srqn().unwrap_or(0);
         }
         if h.flags & wire::FLAG_IMM != 0 {
             wc.wc_flags |= WC_WITH_IMM;
             wc.imm_data = h.imm_data;
         } else if h.flags & wire::FLAG_INV != 0 && matches!(self.qp_type, QpType::Rc | QpType::Uc) {
-            // Only RC and UC invalidate (an XRC target's rkey field names its SRQ).
+            // Only RC and UC invalidate (XRC carries no SEND_WITH_INV, see `xrc`).
             wc.wc_flags |= WC_WITH_INV;
             wc.imm_data = h.rkey; // the union's invalidated_rkey
         }
+        wc
+    }
+
+    /// The completion of a receive WR that `h` took and that failed with `status`.
+    pub(super) fn failed_receive(
+        &self,
+        wr: &RecvRequest,
+        h: &Header,
+        status: WcStatus,
+    ) -> WorkCompletion {
+        let mut wc = self.recv_completion(wr, h, 0);
+        wc.status = status;
+        wc.wc_flags = 0;
         wc
     }
 
@@ -131,10 +144,7 @@ impl QueuePair {
             self.qp_num,
             wr.wr_id
         );
-        let mut wc = self.recv_completion(wr, h, len);
-        wc.status = status;
-        wc.byte_len = 0;
-        wc.wc_flags = 0;
+        let wc = self.failed_receive(wr, h, status);
         self.release_landed(q);
         self.push_receive(wc, true);
         self.send_ack(q, h.seq, Some(nak));

@@ -171,10 +171,12 @@ impl QueuePair {
             ) => {
                 return Err(VerbsError::Invalid("UC carries no RDMA READ or atomics"));
             }
-            (QpType::XrcSend, SendOpcode::Send | SendOpcode::SendWithImm) => {}
-            (QpType::XrcSend, _) => {
+            (
+                QpType::XrcSend,
+                SendOpcode::SendWithInv | SendOpcode::BindMw | SendOpcode::LocalInv,
+            ) => {
                 return Err(VerbsError::Invalid(
-                    "ugdr carries SEND and SEND_WITH_IMM over XRC",
+                    "ugdr carries no memory-window operations over XRC",
                 ));
             }
             (QpType::XrcRecv, _) => {
@@ -300,9 +302,6 @@ impl QueuePair {
         if op != Op::Send {
             header.remote_addr = req.remote_addr;
             header.rkey = req.rkey;
-        } else if self.qp_type == QpType::XrcSend {
-            // The XRC SRQ at the target (XRCETH): a SEND's rkey field is free.
-            header.rkey = req.xrc_srqn;
         }
         if req.opcode == SendOpcode::SendWithInv {
             header.flags |= wire::FLAG_INV;
@@ -317,6 +316,12 @@ impl QueuePair {
         if req.solicited {
             header.flags |= wire::FLAG_SOLICITED;
         }
+        if self.qp_type == QpType::XrcSend {
+            // The XRC SRQ at the target (XRCETH), for every operation: a SEND takes its
+            // receive WR from it, and RDMA and atomics are checked against its PD. An
+            // XRC_SEND QP owes no ACK to piggyback (it executes no request).
+            header.set_xrc_srqn(req.xrc_srqn);
+        }
         if self.qp_type.reliable() {
             // Kept until answered, to be sent again if the responder dropped it.
             if let Some(e) = q.sq.back_mut() {
@@ -324,7 +329,9 @@ impl QueuePair {
             }
             self.run_timer(q);
         }
-        if let Some(ack) = q.ack_owed.take() {
+        if self.qp_type != QpType::XrcSend
+            && let Some(ack) = q.ack_owed.take()
+        {
             header.flags |= wire::FLAG_ACK;
             header.ack_seq = ack;
             q.acks_unsent = 0;

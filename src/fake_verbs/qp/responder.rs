@@ -11,8 +11,8 @@
 //! lands is [`super::receive`].
 
 use super::super::context::EVENT_QP_ACCESS_ERR;
-use super::super::qp_state::QpState;
-use super::super::work::RecvRequest;
+use super::super::qp_state::{QpState, QpType};
+use super::super::work::{RecvRequest, WcStatus};
 use super::super::{mr, mw};
 use super::QueuePair;
 use super::completer::from_peer;
@@ -48,6 +48,12 @@ impl QueuePair {
     ) -> bool {
         if !self.qp_type.reliable() {
             self.on_unreliable_locked(q, h, payload);
+            return false;
+        }
+        if self.qp_type == QpType::XrcSend {
+            // Only requests: no responder (so it never owes an ACK, whose slot its requests
+            // use for the XRC SRQ number, see `wire`).
+            self.drop_request(q, &h, "an XRC_SEND QP executes no request");
             return false;
         }
         if !matches!(
@@ -229,7 +235,7 @@ impl QueuePair {
                 let len = body.len();
                 let Some(target) = self.check_remote(q, &h, len as u64, mr::ACCESS_REMOTE_WRITE)
                 else {
-                    self.refuse(q, &h, body);
+                    self.refuse(q, &h, body, receive);
                     return;
                 };
                 self.deliver_receive(q, receive, h, body, target);
@@ -238,7 +244,7 @@ impl QueuePair {
                 let Some(span) =
                     self.check_remote(q, &h, u64::from(h.length), mr::ACCESS_REMOTE_READ)
                 else {
-                    self.refuse(q, &h, body);
+                    self.refuse(q, &h, body, None);
                     return;
                 };
                 self.respond_in_order(q, &h, Response::Read { span });
@@ -249,7 +255,7 @@ impl QueuePair {
                     .check_remote(q, &h, 8, mr::ACCESS_REMOTE_ATOMIC)
                     .flatten();
                 let (Some(span), Some(ops)) = (span, operands.filter(|o| o.len() == 16)) else {
-                    self.refuse(q, &h, body);
+                    self.refuse(q, &h, body, None);
                     return;
                 };
                 let compare_add = u64::from_le_bytes(ops[..8].try_into().expect("8 bytes"));
@@ -270,7 +276,8 @@ impl QueuePair {
     }
 
     /// The remote-access check of a WRITE/READ/atomic: the QP must allow `access` and the rkey
-    /// must grant it over the range. `Some(None)` for a zero-length access (no key is checked);
+    /// must grant it over the range (the rkey of the QP's PD; at an XRC target, of the named
+    /// XRC SRQ's PD). `Some(None)` for a zero-length access (no key is checked);
     /// `None` is a remote access error.
     pub(super) fn check_remote(
         &self,
@@ -289,7 +296,10 @@ impl QueuePair {
             );
             return None;
         }
-        match mw::remote_span(&self.pd, self.qp_num, h.rkey, h.remote_addr, len, access) {
+        // An XRC target checks the rkey against the PD of the XRC SRQ the request names.
+        let xrc_pd = self.xrc_srq_pd(h);
+        let pd = xrc_pd.as_ref().unwrap_or(&self.pd);
+        match mw::remote_span(pd, self.qp_num, h.rkey, h.remote_addr, len, access) {
             Some(span) => Some(Some(span)),
             None => {
                 tracing::debug!(
@@ -305,13 +315,23 @@ impl QueuePair {
 
     /// NAKs a request with a remote access error (nothing was written or read). The
     /// responder's QP goes to ERR with IBV_EVENT_QP_ACCESS_ERR (IBA 9.9.3.1.2, responder
-    /// class C: a local access violation work-queue error).
-    pub(super) fn refuse(&self, q: &mut Queues, h: &Header, body: Body<'_>) {
+    /// class C: a local access violation work-queue error). The receive WR a WRITE_WITH_IMM
+    /// took completes with IBV_WC_REM_ACCESS_ERR, as rxe completes it (`do_class_ac_error`).
+    pub(super) fn refuse(
+        &self,
+        q: &mut Queues,
+        h: &Header,
+        body: Body<'_>,
+        receive: Option<RecvRequest>,
+    ) {
         if let Body::Held(d) = body {
             q.outbox.push(Deferred::Release(d));
         }
         // Earlier requests that already took effect are acknowledged before the NAK.
         self.release_landed(q);
+        if let Some(wr) = receive {
+            self.push_receive(self.failed_receive(&wr, h, WcStatus::RemAccessErr), true);
+        }
         self.send_ack(q, h.seq, Some(Nak::RemoteAccess));
         self.raise(EVENT_QP_ACCESS_ERR);
         q.state = QpState::Err;

@@ -1,13 +1,26 @@
 //! XRC target QPs (`IBV_QPT_XRC_RECV`, the kernel's XRC_TGT): an RC responder without
-//! queues of its own. Each SEND names an XRC SRQ (the requester puts `remote_srqn` in the
-//! header's `rkey`, unused by a SEND); the receive WR comes from that SRQ, its buffers are
-//! checked against the SRQ's PD, and the completion goes to the SRQ's CQ with `qp_num` this
-//! QP and `src_qp` the sending XRC_SEND QP (as mlx5 reports them). An SRQ number that is not
-//! one of this QP's domain (see `fake_verbs::xrc`) is an invalid request: NAKed (the sender's
-//! WR completes with IBV_WC_REM_INV_REQ_ERR), this QP goes to ERR with
-//! IBV_EVENT_QP_REQ_ERR. ugdr carries SEND and SEND_WITH_IMM over XRC (RDMA and atomics,
-//! which the XRC SRQ's PD would authorise, are refused at post). A target QP lives as long as
-//! one of its handles (the creator's, `ibv_open_qp`'s) does, as the kernel's shared QPs.
+//! queues or a PD of its own. Every request names an XRC SRQ (the requester's `remote_srqn`,
+//! IBA's XRCETH; on ugdr's wire see `engine::wire`), which must be one of this QP's domain
+//! (see `fake_verbs::xrc`); else the request is invalid: NAKed (the sender's WR completes
+//! with IBV_WC_REM_INV_REQ_ERR), this QP goes to ERR with IBV_EVENT_QP_REQ_ERR.
+//!
+//! - A SEND (or WRITE_WITH_IMM) takes its receive WR from that SRQ; the WR's buffers are
+//!   checked against the SRQ's PD, and the completion goes to the SRQ's CQ with `qp_num` this
+//!   QP and `src_qp` the sending XRC_SEND QP (as mlx5 reports them).
+//! - An RDMA WRITE, READ or atomic is executed as RC's responder executes it (the same
+//!   checks: this QP's access flags, then the rkey over the range, else REM_ACCESS_ERR at the
+//!   requester and this QP to ERR with IBV_EVENT_QP_ACCESS_ERR), with the rkey looked up in
+//!   **the PD of the named XRC SRQ**: the target QP has no PD that memory is registered in,
+//!   and the SRQ is what its owner made in a PD. This is what the kernel's rxe XRC responder
+//!   does (`pd = XRC_TGT ? pkt->srq->pd : qp->pd` in its check_rkey and execute, Bob
+//!   Pearson's rxe XRC series on linux-rdma, 2022), following IBA's XRC annex. A type 2
+//!   memory window never matches here (none is bound through a target QP), as rxe's.
+//!
+//! Remote invalidation (SEND_WITH_INV) is not carried over XRC (refused at post; a target
+//! refuses a request that asks for it). A target QP lives as long as one of its handles (the
+//! creator's, `ibv_open_qp`'s) does, as the kernel's shared QPs. XRC requests take the message
+//! path, never the same-host direct path (`engine::direct` publishes a QP's one PD; a target's
+//! PD is the named SRQ's, per request).
 
 use super::super::context::EVENT_QP_REQ_ERR;
 use super::super::pd::ProtectionDomain;
@@ -95,7 +108,18 @@ impl QueuePair {
 
     /// The XRC SRQ a request names, if it is one of this target QP's domain.
     fn named_srq(&self, h: &Header) -> Option<Arc<SharedReceiveQueue>> {
-        self.xrc_domain()?.srq(h.rkey)
+        self.xrc_domain()?.srq(h.xrc_srqn()?)
+    }
+
+    /// At an XRC target, the PD remote accesses are checked in: the named XRC SRQ's (None
+    /// elsewhere: the QP's own PD).
+    pub(super) fn xrc_srq_pd(&self, h: &Header) -> Option<Arc<ProtectionDomain>> {
+        self.xrc_target.as_ref()?;
+        // A target's own PD has no memory registered in it: with the SRQ gone, nothing passes.
+        Some(self.named_srq(h).map_or_else(
+            || Arc::clone(&self.pd),
+            |srq| Arc::clone(&srq.pd),
+        ))
     }
 
     /// Where a request's receive WR comes from: the SRQ it names (XRC target), else the
@@ -123,10 +147,7 @@ impl QueuePair {
 
     /// The PD a receive WR's buffers are checked against: the XRC SRQ's, else the QP's.
     pub(super) fn receive_pd(&self, h: &Header) -> Arc<ProtectionDomain> {
-        match self.named_srq(h) {
-            Some(srq) if self.xrc_target.is_some() => Arc::clone(&srq.pd),
-            _ => Arc::clone(&self.pd),
-        }
+        self.xrc_srq_pd(h).unwrap_or_else(|| Arc::clone(&self.pd))
     }
 
     /// Puts a receive completion on its CQ: the XRC SRQ's for a target QP (nowhere when the
@@ -151,22 +172,25 @@ impl QueuePair {
         }
     }
 
-    /// Checks an in-order request to an XRC target QP: a SEND naming an SRQ of its domain.
-    /// Anything else is NAKed as an invalid request and the QP goes to ERR (IBA 9.9.3.1.2,
-    /// responder class C: IBV_EVENT_QP_REQ_ERR).
+    /// Checks an in-order request to an XRC target QP: a SEND (without invalidation), WRITE,
+    /// READ or atomic naming an SRQ of its domain. Anything else is NAKed as an invalid
+    /// request and the QP goes to ERR (IBA 9.9.3.1.2, responder class C:
+    /// IBV_EVENT_QP_REQ_ERR).
     pub(super) fn xrc_request_valid(&self, q: &mut Queues, h: &Header) -> bool {
-        // The header's rkey names the SRQ: no remote invalidation through an XRC target.
-        if h.op == Op::Send
-            && h.flags & crate::engine::wire::FLAG_INV == 0
-            && self.named_srq(h).is_some()
-        {
+        let carried = match h.op {
+            Op::Send => h.flags & crate::engine::wire::FLAG_INV == 0,
+            Op::Write | Op::ReadRequest | Op::Atomic => true,
+            Op::Ack | Op::ReadResponse | Op::AtomicResponse => false,
+        };
+        if carried && self.named_srq(h).is_some() {
             return true;
         }
         tracing::debug!(
-            "xrc qp {:#x}: {:?} names XRC SRQ {:#x}, not one of its domain",
+            "xrc qp {:#x}: {:?} (flags {:#x}) names XRC SRQ {:?}, not one of its domain",
             self.qp_num,
             h.op,
-            h.rkey
+            h.flags,
+            h.xrc_srqn()
         );
         self.release_landed(q);
         self.send_ack(q, h.seq, Some(Nak::InvalidRequest));
