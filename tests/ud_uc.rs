@@ -141,7 +141,7 @@ fn xsrq_pingpong_events_and_rendezvous_sizes() {
     xsrq_pingpong(&["-e", "-n", "50", "-s", "200000"]);
 }
 
-/// `-o`: the buffer is an ODP MR (`xrc_odp_caps` says SEND and SRQ_RECV).
+/// `-o`: the buffer is an ODP MR (`xrc_odp_caps` says SEND, SRQ_RECV, WRITE, READ, ATOMIC).
 #[test]
 fn xsrq_pingpong_on_demand_paging() {
     xsrq_pingpong(&["-o", "-n", "50"]);

@@ -116,10 +116,10 @@ impl QueuePair {
     pub(super) fn xrc_srq_pd(&self, h: &Header) -> Option<Arc<ProtectionDomain>> {
         self.xrc_target.as_ref()?;
         // A target's own PD has no memory registered in it: with the SRQ gone, nothing passes.
-        Some(self.named_srq(h).map_or_else(
-            || Arc::clone(&self.pd),
-            |srq| Arc::clone(&srq.pd),
-        ))
+        Some(
+            self.named_srq(h)
+                .map_or_else(|| Arc::clone(&self.pd), |srq| Arc::clone(&srq.pd)),
+        )
     }
 
     /// Where a request's receive WR comes from: the SRQ it names (XRC target), else the
