@@ -118,6 +118,48 @@ fn write_with_imm_consumes_a_receive() {
     );
 }
 
+/// A WRITE_WITH_IMM the responder refuses (a bad rkey) took a receive WR: that WR completes
+/// with IBV_WC_REM_ACCESS_ERR (as rxe's responder completes it), the next one is flushed, and
+/// nothing is written (before, the WR it took was never completed).
+#[test]
+fn a_refused_write_with_imm_completes_the_receive_it_took() {
+    let lb = Loopback::rc(8);
+    let src = Buffer::new(&lb.dev, 64, LOCAL_WRITE);
+    let remote = Buffer::new(&lb.dev, 64, REMOTE_RW);
+    assert_eq!(post_one_recv(lb.b, 81, &mut []), 0);
+    assert_eq!(post_one_recv(lb.b, 82, &mut []), 0);
+    let mut sge = [src.sge(0, 5)];
+    let bad_rkey = remote.rkey() ^ 0x00ff_0000;
+    let mut wr = rdma_wr(6, &mut sge, WRITE_IMM, remote.addr(), bad_rkey);
+    wr.__bindgen_anon_1.imm_data = 0x0102_0304u32.to_be();
+    assert_eq!(post_one_send(lb.a, &mut wr), 0);
+    let wc = poll_n(lb.cq_a, 1)[0];
+    assert_eq!(
+        (wc.wr_id, wc.status),
+        (6, ibv_wc_status::IBV_WC_REM_ACCESS_ERR)
+    );
+    let wcs = poll_n(lb.cq_b, 2);
+    assert_eq!(
+        (wcs[0].wr_id, wcs[0].status, wcs[0].opcode),
+        (
+            81,
+            ibv_wc_status::IBV_WC_REM_ACCESS_ERR,
+            ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
+        )
+    );
+    assert_eq!((wcs[0].byte_len, wcs[0].wc_flags), (0, 0));
+    assert_eq!((wcs[0].qp_num, wcs[0].src_qp), (qp_num(lb.b), qp_num(lb.a)));
+    assert_eq!(
+        (wcs[1].wr_id, wcs[1].status),
+        (82, ibv_wc_status::IBV_WC_WR_FLUSH_ERR)
+    );
+    assert_eq!(qp_state(lb.b), ibv_qp_state::IBV_QPS_ERR.0);
+    assert!(
+        remote.data.iter().all(|b| *b == 0),
+        "nothing may be written"
+    );
+}
+
 #[test]
 fn bad_remote_keys_are_remote_access_errors_and_nothing_is_written() {
     type Case = fn(&Buffer, &Buffer) -> (u64, u32);
