@@ -6,10 +6,11 @@
  * The rkey is checked in the PD of the XRC SRQ the WR names (rxe's XRC responder: the SRQ's
  * PD), not the requester's PD: a WRITE of a region of PD B succeeds when it names an SRQ of
  * PD B and is refused when it names one of PD A. Every completion field and the bytes moved
- * are checked; WRITE_WITH_IMM takes a WR of the named SRQ and completes on its CQ. The errors,
+ * are checked; WRITE_WITH_IMM takes a WR of the named SRQ (waiting for one, RNR, when it has
+ * none) and completes on its CQ; an ODP MR of the SRQ's PD is written and read. The errors,
  * each on a fresh pair: a bad rkey, an MR of another PD (the SRQ's is not it; the
  * requester's PD is not it either), an MR without REMOTE_WRITE, a range past the MR, an
- * atomic on a target QP without REMOTE_ATOMIC, a WRITE_WITH_IMM with a bad rkey (its SRQ WR
+ * atomic on a target QP without REMOTE_ATOMIC, a WRITE_WITH_IMM with an rkey of another PD (its SRQ WR
  * completes with IBV_WC_REM_ACCESS_ERR): IBV_WC_REM_ACCESS_ERR at the requester, the target
  * QP to ERR with IBV_EVENT_QP_ACCESS_ERR, the memory untouched. An SRQ of another domain is
  * an invalid request (IBV_WC_REM_INV_REQ_ERR, IBV_EVENT_QP_REQ_ERR) for a WRITE too.
@@ -202,6 +203,18 @@ int main(void)
     for (size_t i = 0; i < sizeof rbuf; i++)
         CHECK(((char *)rbuf)[i] == 0x5a, "the SRQ WR's buffer is untouched");
 
+    /* 2b. A WRITE_WITH_IMM to an SRQ without a WR waits (RNR), nothing written, and lands
+     * when a WR is posted. */
+    post(p, IBV_WR_RDMA_WRITE_WITH_IMM, 15, 0, 32, tbuf + 7000, tmr->rkey, srqn, 0, 0, 0xcafe0015);
+    expect_empty(scq, "a WRITE_WITH_IMM waiting for an SRQ WR");
+    expect_empty(rcq, "the SRQ's CQ before a WR is posted");
+    for (int i = 0; i < 32; i++)
+        CHECK(tbuf[7000 + i] == 0, "nothing is written before the WR is there");
+    post_srq(srq, rmr, rbuf[1], sizeof rbuf[1], 503);
+    expect_wc(p, 15, IBV_WR_RDMA_WRITE_WITH_IMM, 32, IBV_WC_SUCCESS);
+    expect_imm_wc(rcq, p, 503, IBV_WC_SUCCESS, 32, 0xcafe0015);
+    CHECK(memcmp(tbuf + 7000, lbuf, 32) == 0, "data of the waiting WRITE_WITH_IMM");
+
     /* 3. READ back what the WRITE put there; READ of a remote-read-only region. */
     memset(lbuf + 4096, 0, 4096);
     post(p, IBV_WR_RDMA_READ, 3, 4096, 3000, tbuf + 64, tmr->rkey, srqn, 0, 0, 0);
@@ -225,6 +238,20 @@ int main(void)
     post(p, IBV_WR_ATOMIC_CMP_AND_SWP, 7, 7168, 8, tbuf + 6144, tmr->rkey, srqn, 1, 9, 0);
     expect_wc(p, 7, IBV_WR_ATOMIC_CMP_AND_SWP, 8, IBV_WC_SUCCESS);
     CHECK(u64_at(lbuf + 7168) == 7 && u64_at(tbuf + 6144) == 7, "CMP_SWP that does not swap");
+
+    /* 4b. An on-demand-paging MR of the SRQ's PD (xrc_odp_caps says WRITE and READ). */
+    static char odp_buf[4096];
+    struct ibv_mr *odp = ibv_reg_mr(pd, odp_buf, sizeof odp_buf,
+                                    IBV_ACCESS_LOCAL_WRITE | ALL_REMOTE | IBV_ACCESS_ON_DEMAND);
+    CHECK(odp, "reg_mr ODP");
+    post(p, IBV_WR_RDMA_WRITE, 16, 200, 1000, odp_buf + 1000, odp->rkey, srqn, 0, 0, 0);
+    expect_wc(p, 16, IBV_WR_RDMA_WRITE, 1000, IBV_WC_SUCCESS);
+    CHECK(memcmp(odp_buf + 1000, lbuf + 200, 1000) == 0, "data of the WRITE to an ODP MR");
+    memset(lbuf + 4096, 0, 1000);
+    post(p, IBV_WR_RDMA_READ, 17, 4096, 1000, odp_buf + 1000, odp->rkey, srqn, 0, 0, 0);
+    expect_wc(p, 17, IBV_WR_RDMA_READ, 1000, IBV_WC_SUCCESS);
+    CHECK(memcmp(lbuf + 4096, lbuf + 200, 1000) == 0, "data of the READ of an ODP MR");
+    CHECK(ibv_dereg_mr(odp) == 0, "dereg ODP MR");
 
     /* 5. The rkey's PD is the named SRQ's: a region of pd_other is written when the WRITE
      * names srq2 (of pd_other), not when it names srq (see 7b). */
