@@ -10,10 +10,10 @@
  * none) and completes on its CQ; an ODP MR of the SRQ's PD is written and read. The errors,
  * each on a fresh pair: a bad rkey, an MR of another PD (the SRQ's is not it; the
  * requester's PD is not it either), an MR without REMOTE_WRITE, a range past the MR, an
- * atomic on a target QP without REMOTE_ATOMIC, a WRITE_WITH_IMM with an rkey of another PD (its SRQ WR
- * completes with IBV_WC_REM_ACCESS_ERR): IBV_WC_REM_ACCESS_ERR at the requester, the target
- * QP to ERR with IBV_EVENT_QP_ACCESS_ERR, the memory untouched. An SRQ of another domain is
- * an invalid request (IBV_WC_REM_INV_REQ_ERR, IBV_EVENT_QP_REQ_ERR) for a WRITE too.
+ * atomic on a target QP without REMOTE_ATOMIC, a WRITE_WITH_IMM with an rkey of another PD
+ * (its SRQ WR completes with IBV_WC_REM_ACCESS_ERR): IBV_WC_REM_ACCESS_ERR at the requester,
+ * the target QP to ERR with IBV_EVENT_QP_ACCESS_ERR, the memory untouched. An SRQ of another
+ * domain is an invalid request (IBV_WC_REM_INV_REQ_ERR, IBV_EVENT_QP_REQ_ERR) for a WRITE too.
  * SEND_WITH_INV is not carried over XRC (EINVAL at post). Exit 0 and "xrc_rdma: ok". */
 #include "xrc_test.h"
 
