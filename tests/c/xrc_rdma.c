@@ -7,7 +7,8 @@
  * PD), not the requester's PD: a WRITE of a region of PD B succeeds when it names an SRQ of
  * PD B and is refused when it names one of PD A. Every completion field and the bytes moved
  * are checked; WRITE_WITH_IMM takes a WR of the named SRQ (waiting for one, RNR, when it has
- * none) and completes on its CQ; an ODP MR of the SRQ's PD is written and read. The errors,
+ * none) and completes on its CQ; an ODP MR of the SRQ's PD is written and read; 1 MiB
+ * transfers (rendezvous) too. The errors,
  * each on a fresh pair: a bad rkey, an MR of another PD (the SRQ's is not it; the
  * requester's PD is not it either), an MR without REMOTE_WRITE, a range past the MR, an
  * atomic on a target QP without REMOTE_ATOMIC, a WRITE_WITH_IMM with an rkey of another PD
@@ -50,11 +51,12 @@ static int is_atomic(enum ibv_wr_opcode op)
     return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
 }
 
-/* Posts one signaled WR on `p.snd` from lbuf+loff, naming SRQ `srqn`. */
-static void post(struct pair p, enum ibv_wr_opcode op, uint64_t id, uint32_t loff, uint32_t len, void *raddr,
-                 uint32_t rkey, uint32_t srqn, uint64_t compare_add, uint64_t swap, uint32_t imm)
+/* Posts one signaled WR on `p.snd` from base+loff (registered by `mr`), naming SRQ `srqn`. */
+static void post_from(struct ibv_mr *mr, char *base, struct pair p, enum ibv_wr_opcode op, uint64_t id,
+                      uint32_t loff, uint32_t len, void *raddr, uint32_t rkey, uint32_t srqn,
+                      uint64_t compare_add, uint64_t swap, uint32_t imm)
 {
-    struct ibv_sge sge = { (uintptr_t)lbuf + loff, len, lmr->lkey };
+    struct ibv_sge sge = { (uintptr_t)base + loff, len, mr->lkey };
     struct ibv_send_wr wr = { .wr_id = id, .sg_list = &sge, .num_sge = 1, .opcode = op,
                               .send_flags = IBV_SEND_SIGNALED, .imm_data = htonl(imm) }, *bad;
     if (is_atomic(op)) {
@@ -68,6 +70,13 @@ static void post(struct pair p, enum ibv_wr_opcode op, uint64_t id, uint32_t lof
     }
     wr.qp_type.xrc.remote_srqn = srqn;
     CHECK(ibv_post_send(p.snd, &wr, &bad) == 0, "post_send wr %llu", (unsigned long long)id);
+}
+
+/* post_from lbuf. */
+static void post(struct pair p, enum ibv_wr_opcode op, uint64_t id, uint32_t loff, uint32_t len, void *raddr,
+                 uint32_t rkey, uint32_t srqn, uint64_t compare_add, uint64_t swap, uint32_t imm)
+{
+    post_from(lmr, lbuf, p, op, id, loff, len, raddr, rkey, srqn, compare_add, swap, imm);
 }
 
 /* The requester's completion of `id`: every field (byte_len is the length on success). */
@@ -252,6 +261,33 @@ int main(void)
     expect_wc(p, 17, IBV_WR_RDMA_READ, 1000, IBV_WC_SUCCESS);
     CHECK(memcmp(lbuf + 4096, lbuf + 200, 1000) == 0, "data of the READ of an ODP MR");
     CHECK(ibv_dereg_mr(odp) == 0, "dereg ODP MR");
+
+    /* 4c. Large transfers (UCX rendezvous): a 1 MiB WRITE, READ and WRITE_WITH_IMM. */
+    size_t big = 1 << 20;
+    char *lbig = malloc(big), *back = malloc(big), *tbig = calloc(1, big);
+    CHECK(lbig && back && tbig, "malloc");
+    for (size_t i = 0; i < big; i++)
+        lbig[i] = (char)(i * 13 + 5);
+    struct ibv_mr *lbig_mr = ibv_reg_mr(send_pd, lbig, big, IBV_ACCESS_LOCAL_WRITE);
+    struct ibv_mr *back_mr = ibv_reg_mr(send_pd, back, big, IBV_ACCESS_LOCAL_WRITE);
+    struct ibv_mr *tbig_mr = ibv_reg_mr(pd, tbig, big, IBV_ACCESS_LOCAL_WRITE | ALL_REMOTE);
+    CHECK(lbig_mr && back_mr && tbig_mr, "reg_mr 1 MiB");
+    post_from(lbig_mr, lbig, p, IBV_WR_RDMA_WRITE, 18, 0, (uint32_t)big, tbig, tbig_mr->rkey, srqn, 0, 0, 0);
+    expect_wc(p, 18, IBV_WR_RDMA_WRITE, (uint32_t)big, IBV_WC_SUCCESS);
+    CHECK(memcmp(tbig, lbig, big) == 0, "data of the 1 MiB WRITE");
+    post_from(back_mr, back, p, IBV_WR_RDMA_READ, 19, 0, (uint32_t)big, tbig, tbig_mr->rkey, srqn, 0, 0, 0);
+    expect_wc(p, 19, IBV_WR_RDMA_READ, (uint32_t)big, IBV_WC_SUCCESS);
+    CHECK(memcmp(back, lbig, big) == 0, "data of the 1 MiB READ");
+    memset(tbig, 0, big);
+    post_srq(srq, rmr, rbuf[0], sizeof rbuf[0], 504);
+    post_from(lbig_mr, lbig, p, IBV_WR_RDMA_WRITE_WITH_IMM, 20, 0, (uint32_t)big, tbig, tbig_mr->rkey, srqn, 0, 0, 0xcafe0020);
+    expect_wc(p, 20, IBV_WR_RDMA_WRITE_WITH_IMM, (uint32_t)big, IBV_WC_SUCCESS);
+    expect_imm_wc(rcq, p, 504, IBV_WC_SUCCESS, (uint32_t)big, 0xcafe0020);
+    CHECK(memcmp(tbig, lbig, big) == 0, "data of the 1 MiB WRITE_WITH_IMM");
+    CHECK(ibv_dereg_mr(lbig_mr) == 0 && ibv_dereg_mr(back_mr) == 0 && ibv_dereg_mr(tbig_mr) == 0, "dereg 1 MiB");
+    free(lbig);
+    free(back);
+    free(tbig);
 
     /* 5. The rkey's PD is the named SRQ's: a region of pd_other is written when the WRITE
      * names srq2 (of pd_other), not when it names srq (see 7b). */
