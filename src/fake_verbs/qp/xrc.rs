@@ -11,10 +11,12 @@
 //!   checks: this QP's access flags, then the rkey over the range, else REM_ACCESS_ERR at the
 //!   requester and this QP to ERR with IBV_EVENT_QP_ACCESS_ERR), with the rkey looked up in
 //!   **the PD of the named XRC SRQ**: the target QP has no PD that memory is registered in,
-//!   and the SRQ is what its owner made in a PD. This is what the kernel's rxe XRC responder
-//!   does (`pd = XRC_TGT ? pkt->srq->pd : qp->pd` in its check_rkey and execute, Bob
-//!   Pearson's rxe XRC series on linux-rdma, 2022), following IBA's XRC annex. A type 2
-//!   memory window never matches here (none is bound through a target QP), as rxe's.
+//!   and the SRQ is what its owner made in a PD. This is what rxe's XRC responder does as
+//!   posted to linux-rdma (Bob Pearson's series, "RDMA/rxe: Extend rxe_resp.c to support xrc
+//!   qps", 2022: `pd = XRC_TGT ? pkt->srq->pd : qp->pd` in check_rkey and execute); mlx5_ib
+//!   likewise gives an XRC_TGT QP only a placeholder PD, and the XRC SRQ its creator's. (The
+//!   RDMA Aware Networks manual does not say.) A type 2 memory window never matches here
+//!   (none is bound through a target QP), as rxe's series refuses it.
 //!
 //! Remote invalidation (SEND_WITH_INV) is not carried over XRC (refused at post; a target
 //! refuses a request that asks for it). A target QP lives as long as one of its handles (the
