@@ -19,7 +19,7 @@ use super::pd::ProtectionDomain;
 use super::work::Sge;
 use crate::engine::Engine;
 use crate::engine::direct::{PublishedRegion, RegionView};
-use crate::ucp::{AppRegion, AppSpan};
+use crate::ucp::{AppRegion, AppSpan, SpanList};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
@@ -536,7 +536,7 @@ pub fn local_spans(
     pd: &Arc<ProtectionDomain>,
     sges: &[Sge],
     need_write: bool,
-) -> Option<SmallVec<[AppSpan; 4]>> {
+) -> Option<SpanList> {
     local_spans_cached(pd, sges, need_write, &mut KeyCache::default())
 }
 
@@ -562,7 +562,7 @@ pub fn local_spans_cached(
     sges: &[Sge],
     need_write: bool,
     cache: &mut KeyCache,
-) -> Option<SmallVec<[AppSpan; 4]>> {
+) -> Option<SpanList> {
     let mut spans = SmallVec::new();
     for sge in sges {
         if sge.length == 0 {

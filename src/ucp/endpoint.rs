@@ -1,7 +1,7 @@
 //! `ucp_ep`: a connection to a remote worker, and active-message send.
 
 use super::Error;
-use super::memory::{AppSpan, Hold, hold_all};
+use super::memory::{AppSpan, Hold, SpanList, hold_all};
 use super::worker::{LockedWorker, Worker};
 use crate::sys::{self, ucs};
 use smallvec::SmallVec;
@@ -19,7 +19,7 @@ pub type OwnedBytes = SmallVec<[u8; 64]>;
 pub enum SendPayload {
     None,
     /// Application memory (checked spans); must stay valid until the send completes.
-    Spans(SmallVec<[AppSpan; 4]>),
+    Spans(SpanList),
     /// Bytes ugdr owns (inline data, replies); kept alive by the request.
     Owned(OwnedBytes),
 }
