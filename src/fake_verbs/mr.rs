@@ -532,11 +532,7 @@ pub fn remote_span(
 /// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, local write for receive
 /// buffers, and for on-demand MRs that the range is mapped now) and returns the spans; `None`
 /// is a local protection error.
-pub fn local_spans(
-    pd: &Arc<ProtectionDomain>,
-    sges: &[Sge],
-    need_write: bool,
-) -> Option<SpanList> {
+pub fn local_spans(pd: &Arc<ProtectionDomain>, sges: &[Sge], need_write: bool) -> Option<SpanList> {
     local_spans_cached(pd, sges, need_write, &mut KeyCache::default())
 }
 

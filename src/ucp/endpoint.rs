@@ -340,9 +340,10 @@ fn bytes_iov(bytes: &[u8]) -> Option<sys::ucp_dt_iov_t> {
 }
 
 /// Messages up to this size (header included) are first tried with UCX's short protocol,
-/// which completes inside the call: shared memory's limit is a little above this (its FIFO
-/// elements are 128 bytes), TCP's far above. Larger ones go straight to one pooled send.
-const IMMEDIATE_MAX: usize = 96;
+/// which completes inside the call: shared memory's limit is a little below this (ugdr sets
+/// 256-byte FIFO elements, `Ucx::context_options`), TCP's far above. Larger ones go straight
+/// to one pooled send.
+const IMMEDIATE_MAX: usize = 256;
 
 /// UCX's buffer description for a gather list: one segment goes as a contiguous buffer (so
 /// small messages can use UCX's short protocol, which IOVs cannot), several as an IOV.
