@@ -19,7 +19,7 @@ use super::pd::ProtectionDomain;
 use super::work::Sge;
 use crate::engine::Engine;
 use crate::engine::direct::{PublishedRegion, RegionView};
-use crate::ucp::{AppRegion, AppSpan};
+use crate::ucp::{AppRegion, AppSpan, SpanList};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
@@ -532,11 +532,7 @@ pub fn remote_span(
 /// Checks `sges` against the local MRs of `pd` (lkey, PD, bounds, local write for receive
 /// buffers, and for on-demand MRs that the range is mapped now) and returns the spans; `None`
 /// is a local protection error.
-pub fn local_spans(
-    pd: &Arc<ProtectionDomain>,
-    sges: &[Sge],
-    need_write: bool,
-) -> Option<SmallVec<[AppSpan; 4]>> {
+pub fn local_spans(pd: &Arc<ProtectionDomain>, sges: &[Sge], need_write: bool) -> Option<SpanList> {
     local_spans_cached(pd, sges, need_write, &mut KeyCache::default())
 }
 
@@ -562,7 +558,7 @@ pub fn local_spans_cached(
     sges: &[Sge],
     need_write: bool,
     cache: &mut KeyCache,
-) -> Option<SmallVec<[AppSpan; 4]>> {
+) -> Option<SpanList> {
     let mut spans = SmallVec::new();
     for sge in sges {
         if sge.length == 0 {

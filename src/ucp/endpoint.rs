@@ -1,7 +1,7 @@
 //! `ucp_ep`: a connection to a remote worker, and active-message send.
 
 use super::Error;
-use super::memory::{AppSpan, Hold, hold_all};
+use super::memory::{AppSpan, Hold, SpanList, hold_all};
 use super::worker::{LockedWorker, Worker};
 use crate::sys::{self, ucs};
 use smallvec::SmallVec;
@@ -19,7 +19,7 @@ pub type OwnedBytes = SmallVec<[u8; 64]>;
 pub enum SendPayload {
     None,
     /// Application memory (checked spans); must stay valid until the send completes.
-    Spans(SmallVec<[AppSpan; 4]>),
+    Spans(SpanList),
     /// Bytes ugdr owns (inline data, replies); kept alive by the request.
     Owned(OwnedBytes),
 }
@@ -340,9 +340,10 @@ fn bytes_iov(bytes: &[u8]) -> Option<sys::ucp_dt_iov_t> {
 }
 
 /// Messages up to this size (header included) are first tried with UCX's short protocol,
-/// which completes inside the call: shared memory's limit is a little above this (its FIFO
-/// elements are 128 bytes), TCP's far above. Larger ones go straight to one pooled send.
-const IMMEDIATE_MAX: usize = 96;
+/// which completes inside the call: shared memory's limit is a little below this (ugdr sets
+/// 256-byte FIFO elements, `Ucx::context_options`), TCP's far above. Larger ones go straight
+/// to one pooled send.
+const IMMEDIATE_MAX: usize = 256;
 
 /// UCX's buffer description for a gather list: one segment goes as a contiguous buffer (so
 /// small messages can use UCX's short protocol, which IOVs cannot), several as an IOV.

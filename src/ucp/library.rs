@@ -50,6 +50,8 @@ static UCX: OnceLock<Result<Ucx, Error>> = OnceLock::new();
 
 /// UCX's module list without the modules that use RDMA devices.
 const UCX_MODULES_WITHOUT_RDMA: &CStr = c"^ib,rdmacm";
+/// The size of a shared-memory FIFO element (see [`Ucx::context_options`]).
+const SHARED_MEMORY_FIFO_ELEMENT: &CStr = c"256";
 const LIBUCP: &CStr = c"libucp.so.0";
 const LIBIBVERBS: &CStr = c"libibverbs.so.1";
 
@@ -158,24 +160,37 @@ impl Ucx {
     }
 
     /// UCX options ugdr sets in every context's configuration, unless the user set them
-    /// (`UCX_<name>`). In a namespace of its own, UCX's memory hooks see only that namespace's
-    /// `mmap`/`munmap`, not the application's, so a registration cache could keep serving a
-    /// registration of pages the application has since unmapped (or ugdr has remapped for the
-    /// same-host path): where UCX has RDMA devices, application memory is registered per use.
-    /// (Without devices nothing is set: UCX warns about an option no component reads.)
+    /// (`UCX_<name>`).
+    ///
+    /// * Shared-memory FIFO elements of 256 bytes instead of 128: a ugdr message is its
+    ///   52-byte header (with the authentication trailer) and the payload, so with 128-byte
+    ///   elements only payloads up to ~56 bytes went inline; every 64-byte SEND took UCX's
+    ///   buffer-copy path instead of its short one (callgrind, one 64-byte SEND over posix:
+    ///   ~6,000 instructions with 128-byte elements, ~5,000 with 256). Every ugdr process sets
+    ///   the same (a sender writes into its peer's FIFO at its own element size); not set
+    ///   when the user sized the elements (`UCX_{MM,POSIX,SYSV}_FIFO_ELEM_SIZE`) or left
+    ///   shared memory out of `UCX_TLS` (UCX would warn about an unused option).
+    /// * In a namespace of its own, UCX's memory hooks see only that namespace's
+    ///   `mmap`/`munmap`, not the application's, so a registration cache could keep serving a
+    ///   registration of pages the application has since unmapped (or ugdr has remapped for the
+    ///   same-host path): where UCX has RDMA devices, application memory is registered per use.
+    ///   (Without devices this is not set: UCX warns about an option no component reads.)
     pub(crate) fn context_options(&self) -> Vec<(&'static CStr, &'static CStr)> {
-        if !matches!(self.namespace, Namespace::Own(_)) || self.rdma == Rdma::Off {
-            return Vec::new();
+        let mut options = Vec::new();
+        let tls = std::env::var("UCX_TLS").ok();
+        if shared_memory_transports_wanted(tls.as_deref()) && !fifo_element_set_by_user() {
+            options.push((c"MM_FIFO_ELEM_SIZE", SHARED_MEMORY_FIFO_ELEMENT));
         }
-        if self.devices(true).is_none_or(|d| d.is_empty()) {
-            return Vec::new();
+        if matches!(self.namespace, Namespace::Own(_))
+            && self.rdma != Rdma::Off
+            && self.devices(true).is_some_and(|d| !d.is_empty())
+        {
+            options.extend([(c"IB_REG_METHODS", c"direct"), (c"RCACHE_ENABLE", c"n")]);
         }
-        [(c"IB_REG_METHODS", c"direct"), (c"RCACHE_ENABLE", c"n")]
-            .into_iter()
-            .filter(|(name, _)| {
-                std::env::var_os(format!("UCX_{}", name.to_string_lossy())).is_none()
-            })
-            .collect()
+        options.retain(|(name, _)| {
+            std::env::var_os(format!("UCX_{}", name.to_string_lossy())).is_none()
+        });
+        options
     }
 
     /// The files loaded in UCX's namespace (its own: all of UCX and what it pulled in; the
@@ -266,4 +281,43 @@ pub fn ucx_version() -> Result<String, Error> {
     }
     // SAFETY: non-NULL static NUL-terminated string per UCX's contract.
     Ok(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// Whether `UCX_TLS` (`tls`, if set) may select a shared-memory transport.
+fn shared_memory_transports_wanted(tls: Option<&str>) -> bool {
+    let Some(tls) = tls else {
+        return true;
+    };
+    tls.starts_with('^')
+        || tls
+            .split(',')
+            .any(|t| matches!(t.trim(), "all" | "sm" | "shm" | "posix" | "sysv" | "mm"))
+}
+
+/// Whether the user sized the shared-memory FIFO elements.
+fn fifo_element_set_by_user() -> bool {
+    ["MM", "POSIX", "SYSV"]
+        .iter()
+        .any(|tl| std::env::var_os(format!("UCX_{tl}_FIFO_ELEM_SIZE")).is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_memory_transports_wanted;
+
+    #[test]
+    fn fifo_elements_are_sized_only_where_shared_memory_may_be_used() {
+        for tls in [
+            None,
+            Some("all"),
+            Some("sm,self"),
+            Some("tcp, posix"),
+            Some("^tcp"),
+        ] {
+            assert!(shared_memory_transports_wanted(tls), "{tls:?}");
+        }
+        for tls in [Some("tcp"), Some("tcp,self"), Some("rc,ud"), Some("")] {
+            assert!(!shared_memory_transports_wanted(tls), "{tls:?}");
+        }
+    }
 }

@@ -296,6 +296,10 @@ impl std::fmt::Debug for Pin {
     }
 }
 
+/// The spans of one work request's gather or scatter list, kept inline for the common
+/// case of one SGE (each move of a send or receive copies it).
+pub type SpanList = smallvec::SmallVec<[AppSpan; 1]>;
+
 /// A checked piece of an [`AppRegion`] (or of ugdr's own staging memory).
 #[derive(Debug, Clone, Copy)]
 pub struct AppSpan {

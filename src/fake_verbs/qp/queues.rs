@@ -10,7 +10,7 @@ use super::super::work::{RecvRequest, WcOpcode, WcStatus, WorkCompletion};
 use super::{AppSpan, QpAttributes, QueuePair};
 use crate::engine::Peer;
 use crate::engine::wire::{self, Header, Op};
-use crate::ucp::{AmData, AmPayload, Endpoint, LockedWorker, SendPayload};
+use crate::ucp::{AmData, AmPayload, Endpoint, LockedWorker, SendPayload, SpanList};
 use smallvec::SmallVec;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -25,7 +25,7 @@ pub(super) struct SendEntry {
     pub(super) outcome: Option<WcStatus>,
     /// READ and atomics: where the response lands; they finish with their response, never
     /// with an ACK.
-    pub(super) response_into: Option<SmallVec<[AppSpan; 4]>>,
+    pub(super) response_into: Option<SpanList>,
     /// A READ whose rendezvous response UCX is writing into `response_into` right now.
     pub(super) pulling: bool,
     /// RC messages: the header (without a piggybacked ACK) and payload to retransmit it with
@@ -124,7 +124,7 @@ pub(super) enum Deferred {
     /// READ's SGEs at the requester); `landed` runs when it is in place.
     Receive {
         data: AmData,
-        spans: SmallVec<[AppSpan; 4]>,
+        spans: SpanList,
         seq: u32,
         landed: Landed,
     },

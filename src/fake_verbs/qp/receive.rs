@@ -14,8 +14,7 @@ use super::super::work::{
 use super::QueuePair;
 use super::queues::{Body, Deferred, Landing, Queues};
 use crate::engine::wire::{self, Header, Nak, Op};
-use crate::ucp::{AmPayload, AppSpan, LockedWorker};
-use smallvec::SmallVec;
+use crate::ucp::{AmPayload, AppSpan, LockedWorker, SpanList};
 use std::sync::Arc;
 
 impl QueuePair {
@@ -129,7 +128,7 @@ impl QueuePair {
         h: &Header,
         len: usize,
         reserve: usize,
-    ) -> Option<SmallVec<[AppSpan; 4]>> {
+    ) -> Option<SpanList> {
         let capacity: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
         let (status, nak) = if (len + reserve) as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
@@ -168,7 +167,7 @@ impl QueuePair {
         target: Option<AppSpan>,
     ) {
         let len = body.len();
-        let spans: SmallVec<[AppSpan; 4]> = if h.op == Op::Send {
+        let spans: SpanList = if h.op == Op::Send {
             let wr = wr.as_ref().expect("a SEND has a receive WR");
             match self
                 .check_receive(q, wr, &h, len, 0)
@@ -196,7 +195,7 @@ impl QueuePair {
         &self,
         q: &mut Queues,
         key: u32,
-        spans: SmallVec<[AppSpan; 4]>,
+        spans: SpanList,
         body: Body<'_>,
         wc: Option<WorkCompletion>,
         solicited: bool,

@@ -19,7 +19,7 @@ use crate::fake_verbs::device::GRH_LEN;
 use crate::fake_verbs::mr;
 use crate::fake_verbs::qp_state::{QpState, QpType};
 use crate::fake_verbs::work::{UdDestination, WC_GRH};
-use crate::ucp::{AmPayload, AppSpan};
+use crate::ucp::{AmPayload, AppSpan, SpanList};
 use smallvec::SmallVec;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
@@ -75,7 +75,7 @@ pub fn grh_bytes(h: &Header, payload_len: usize, dgid: &[u8; 16]) -> [u8; GRH_LE
 }
 
 /// `spans` without their first `n` bytes, and those bytes.
-fn split_front(spans: &[AppSpan], n: usize) -> (SmallVec<[AppSpan; 4]>, SmallVec<[AppSpan; 4]>) {
+fn split_front(spans: &[AppSpan], n: usize) -> (SpanList, SpanList) {
     let mut front = SmallVec::new();
     let mut rest = SmallVec::new();
     let mut left = n;
