@@ -181,7 +181,11 @@ fn a_stranger_with_the_worker_address_lands_no_write_and_consumes_no_receive() {
                 &format!("{target:#x}"),
                 &field(&hello, "rkey"),
             ])
-            .env_remove("LD_PRELOAD");
+            .env_remove("LD_PRELOAD")
+            // A stranger that means to reach the worker sizes its shared-memory FIFO
+            // elements as ugdr does (`Ucx::context_options`); with UCX's default 128 bytes
+            // its UCX cannot even attach ugdr's FIFO, which would prove nothing.
+            .env("UCX_MM_FIFO_ELEM_SIZE", "256");
             c
         },
         "ucx_stranger",
