@@ -1,7 +1,8 @@
 //! Device memory: `ibv_alloc_dm`, `ibv_free_dm`, `ibv_reg_dm_mr` (through the
 //! `verbs_context` table) and `ibv_memcpy_to_dm`/`ibv_memcpy_from_dm` (inline in verbs.h:
 //! they call the function pointers in the `ibv_dm` itself). The memory is host memory ugdr
-//! owns (`fake_verbs::dm`); copies outside it fail with EINVAL and touch nothing.
+//! owns (`fake_verbs::dm`); copies outside it (EFAULT) or not in 4-byte words (EINVAL) touch
+//! nothing.
 
 use super::boundary::{Fallback, ffi_boundary, status};
 use super::ibv_pd_mr::{mr_shell, our_pd};
@@ -116,13 +117,16 @@ fn dm_of<'a>(dm: *mut ibv_dm) -> Option<&'a DmShell> {
 }
 
 /// Copies `length` bytes between the DM's `[dm_offset, dm_offset + length)` and the host
-/// memory at `host` (`to_dm`: host → DM). 0, or EINVAL for a range outside the DM or a NULL
-/// host address (nothing copied).
+/// memory at `host` (`to_dm`: host → DM). 0, or (nothing copied) as mlx5, the provider with
+/// device memory, answers: EFAULT for a range outside the DM, EINVAL for an offset or length
+/// not a multiple of 4 (device memory is reached in 4-byte words) or a NULL host address.
 fn copy_dm(dm: *mut ibv_dm, dm_offset: u64, host: *mut u8, length: usize, to_dm: bool) -> c_int {
     let Some(shell) = dm_of(dm) else {
         return c_int::fail(libc::EINVAL);
     };
     match shell.inner.span(dm_offset, length as u64) {
+        Err(_) => c_int::fail(libc::EFAULT),
+        Ok(_) if dm_offset % 4 != 0 || length % 4 != 0 => c_int::fail(libc::EINVAL),
         Ok(_) if length == 0 => 0,
         Ok(_) if host.is_null() => c_int::fail(libc::EINVAL),
         Ok(span) => {
@@ -137,7 +141,6 @@ fn copy_dm(dm: *mut ibv_dm, dm_offset: u64, host: *mut u8, length: usize, to_dm:
             unsafe { std::ptr::copy(src, dst, length) };
             0
         }
-        Err(e) => c_int::fail(e.errno()),
     }
 }
 
