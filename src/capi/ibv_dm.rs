@@ -146,7 +146,9 @@ fn copy_dm(dm: *mut ibv_dm, dm_offset: u64, host: *mut u8, length: usize, to_dm:
     };
     match shell.inner.span(dm_offset, length as u64) {
         Err(_) => c_int::fail(libc::EFAULT),
-        Ok(_) if dm_offset % 4 != 0 || length % 4 != 0 => c_int::fail(libc::EINVAL),
+        Ok(_) if !dm_offset.is_multiple_of(4) || !length.is_multiple_of(4) => {
+            c_int::fail(libc::EINVAL)
+        }
         Ok(_) if length == 0 => 0,
         Ok(_) if host.is_null() => c_int::fail(libc::EINVAL),
         Ok(span) => {
