@@ -33,8 +33,9 @@ fn c_program_with_verbs_inlines_runs_under_ugdr() {
 
 /// The rarely used entry points (`ibv_query_qp_data_in_order`, `ibv_import_*`,
 /// `ibv_unimport_*`, `ibv_import_device`, `ibv_resolve_eth_l2_from_gid`, every rsocket) with
-/// ugdr's objects: each answers as rdma-core does for a device without the feature. Before
-/// ugdr exported them, the first of them went to the real library and crashed (SIGSEGV).
+/// ugdr's objects: each answers as rdma-core does (for a device without the feature where
+/// ugdr has none; importing shares a context's objects). Before ugdr exported them, the first
+/// of them went to the real library and crashed (SIGSEGV).
 #[test]
 fn rare_entry_points_answer_for_ugdr_objects_as_for_a_device_without_the_feature() {
     let exe = build_c("rare_exports", &["-libverbs", "-lrdmacm"]);
