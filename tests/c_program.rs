@@ -63,3 +63,14 @@ fn xrc_rdma_and_atomics_check_the_named_srqs_pd() {
     let exe = build_c("xrc_rdma", &["-libverbs"]);
     run_under_ugdr(&exe, "xrc_rdma");
 }
+
+/// RDMA ATOMIC WRITE through `ibv_wr_atomic_write` (`tests/c/atomic_write.c`): the 8 bytes
+/// land whole, after the WRITE posted before them, and complete as IBV_WC_ATOMIC_WRITE with
+/// every field checked; a misaligned address or a NULL operand is EINVAL at `ibv_wr_complete`;
+/// an MR without REMOTE_WRITE is IBV_WC_REM_ACCESS_ERR with nothing written; a UC QP cannot
+/// ask for it.
+#[test]
+fn atomic_write_lands_whole_and_in_order() {
+    let exe = build_c("atomic_write", &["-libverbs"]);
+    run_under_ugdr(&exe, "atomic_write");
+}

@@ -19,8 +19,7 @@ use std::time::Duration;
 const SUITE: &str = "/usr/share/doc/rdma-core/tests";
 const PYVERBS: &str = "/usr/lib/python3/dist-packages/pyverbs";
 
-/// Tests that pass on ugdr0 (ids without the leading `tests.`). Two need RDMA atomics over
-/// XRC (`test_xrc_atomic_*`).
+/// Tests that pass on ugdr0 (ids without the leading `tests.`).
 const EXPECTED_PASSES: &[&str] = &[
     "test_addr.AHTest.test_create_ah",
     "test_addr.AHTest.test_destroy_ah",
@@ -134,6 +133,7 @@ const EXPECTED_PASSES: &[&str] = &[
     "test_qpex.QpExTestCase.test_post_send_qp_state_bad_flow",
     "test_qpex.QpExTestCase.test_qp_ex_rc_atomic_cmp_swp",
     "test_qpex.QpExTestCase.test_qp_ex_rc_atomic_fetch_add",
+    "test_qpex.QpExTestCase.test_qp_ex_rc_atomic_write",
     "test_qpex.QpExTestCase.test_qp_ex_rc_bind_mw",
     "test_qpex.QpExTestCase.test_qp_ex_rc_rdma_read",
     "test_qpex.QpExTestCase.test_qp_ex_rc_rdma_read_zero_size",
@@ -192,15 +192,8 @@ const HARDWARE_SKIPS: &[(&str, &str)] = &[
     ("test_device", "All gid indices populated"),
 ];
 
-/// Skips ugdr could remove: (test id, reason).
-const KNOWN_GAPS: &[(&str, &str)] = &[
-    // IBV_WR_ATOMIC_WRITE (IBA 1.5's 8-byte atomic write) is not carried: a QP asking for
-    // IBV_QP_EX_WITH_ATOMIC_WRITE is EOPNOTSUPP.
-    (
-        "test_qpex.QpExTestCase.test_qp_ex_rc_atomic_write",
-        "Extended QP is not supported on this device",
-    ),
-];
+/// Skips ugdr could remove: (test id, reason). None today.
+const KNOWN_GAPS: &[(&str, &str)] = &[];
 
 /// One outcome per test: id (without `tests.`) → (outcome, skip reason).
 fn run_suite() -> BTreeMap<String, (String, String)> {
