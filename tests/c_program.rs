@@ -33,8 +33,9 @@ fn c_program_with_verbs_inlines_runs_under_ugdr() {
 
 /// The rarely used entry points (`ibv_query_qp_data_in_order`, `ibv_import_*`,
 /// `ibv_unimport_*`, `ibv_import_device`, `ibv_resolve_eth_l2_from_gid`, every rsocket) with
-/// ugdr's objects: each answers as rdma-core does for a device without the feature. Before
-/// ugdr exported them, the first of them went to the real library and crashed (SIGSEGV).
+/// ugdr's objects: each answers as rdma-core does (for a device without the feature where
+/// ugdr has none; importing shares a context's objects). Before ugdr exported them, the first
+/// of them went to the real library and crashed (SIGSEGV).
 #[test]
 fn rare_entry_points_answer_for_ugdr_objects_as_for_a_device_without_the_feature() {
     let exe = build_c("rare_exports", &["-libverbs", "-lrdmacm"]);
@@ -61,4 +62,15 @@ fn xrc_domains_srqs_and_queue_pairs() {
 fn xrc_rdma_and_atomics_check_the_named_srqs_pd() {
     let exe = build_c("xrc_rdma", &["-libverbs"]);
     run_under_ugdr(&exe, "xrc_rdma");
+}
+
+/// RDMA ATOMIC WRITE through `ibv_wr_atomic_write` (`tests/c/atomic_write.c`): the 8 bytes
+/// land whole, after the WRITE posted before them, and complete as IBV_WC_ATOMIC_WRITE with
+/// every field checked; a misaligned address or a NULL operand is EINVAL at `ibv_wr_complete`;
+/// an MR without REMOTE_WRITE is IBV_WC_REM_ACCESS_ERR with nothing written; a UC QP cannot
+/// ask for it.
+#[test]
+fn atomic_write_lands_whole_and_in_order() {
+    let exe = build_c("atomic_write", &["-libverbs"]);
+    run_under_ugdr(&exe, "atomic_write");
 }

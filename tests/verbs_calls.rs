@@ -495,6 +495,136 @@ fn moving_to_err_flushes_every_outstanding_wr_in_order() {
     assert_eq!(qp_state(lb.b), ibv_qp_state::IBV_QPS_RESET.0);
 }
 
+/// `qp_access_flags` takes any flag of `enum ibv_access_flags` (the kernel passes them through
+/// and rxe and mlx5 use only the remote ones; rdma-core's ODP tests give a QP the MR's flags,
+/// ON_DEMAND included); a bit the enum does not define is EINVAL and changes nothing.
+#[test]
+fn qp_access_flags_take_every_defined_access_flag() {
+    let dev = Device::open();
+    let cq = dev.cq(16);
+    let qp = dev.rc_qp(cq, cq, 4);
+    let m = (ibv_qp_attr_mask::IBV_QP_STATE.0
+        | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+        | ibv_qp_attr_mask::IBV_QP_PORT.0
+        | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0) as c_int;
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_INIT,
+        port_num: 1,
+        qp_access_flags: 1 << 15,
+        ..Default::default()
+    };
+    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, libc::EINVAL);
+    assert_eq!(qp_state(qp), ibv_qp_state::IBV_QPS_RESET.0);
+    let odp: u32 = 64 | 16; // IBV_ACCESS_ON_DEMAND | IBV_ACCESS_MW_BIND
+    a.qp_access_flags = REMOTE_ALL | odp;
+    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, 0);
+    let mut qa = ibv_qp_attr::default();
+    let mut qi = ibv_qp_init_attr::default();
+    assert_eq!(unsafe { ibv_query_qp(qp, &mut qa, 0, &mut qi) }, 0);
+    assert_eq!(
+        (qa.qp_state, qa.qp_access_flags),
+        (ibv_qp_state::IBV_QPS_INIT, REMOTE_ALL | odp)
+    );
+    unsafe {
+        assert_eq!(ibv_destroy_qp(qp), 0);
+        assert_eq!(ibv_destroy_cq(cq), 0);
+    }
+}
+
+/// A QP moved to RESET takes its completions the application has not polled off its CQs (as
+/// mlx4, mlx5, hns and bnxt_re clean their CQs; rdma-core's tests restart QPs after an error
+/// and expect their CQs clean); other QPs' completions on the same CQ stay, in order. Then the
+/// QP works again: a SEND from its reconnected peer completes on the same CQ.
+#[test]
+fn reset_discards_the_qps_unpolled_completions_and_no_others() {
+    let dev = Device::open();
+    let cq = dev.cq(64);
+    let x = dev.rc_qp(cq, cq, 16);
+    let y = dev.rc_qp(cq, cq, 16);
+    connect(x, dev.lid, qp_num(y));
+    connect(y, dev.lid, qp_num(x));
+    let dst = Buffer::new(&dev, 64, LOCAL_WRITE);
+    let src = Buffer::new(&dev, 64, LOCAL_WRITE);
+    for i in 0..3 {
+        assert_eq!(post_one_recv(x, 10 + i, &mut [dst.sge(0, 8)]), 0);
+    }
+    for i in 0..2 {
+        assert_eq!(post_one_recv(y, 20 + i, &mut [dst.sge(8, 8)]), 0);
+    }
+    to_error(x);
+    to_error(y);
+    let mut a = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_RESET,
+        ..Default::default()
+    };
+    let state = ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int;
+    assert_eq!(unsafe { ibv_modify_qp(x, &mut a, state) }, 0);
+    let wcs = poll_n(cq, 2);
+    assert_eq!(
+        wcs.iter()
+            .map(|w| (w.wr_id, w.status, w.opcode, w.qp_num))
+            .collect::<Vec<_>>(),
+        vec![
+            (
+                20,
+                ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
+                ibv_wc_opcode::IBV_WC_RECV,
+                qp_num(y)
+            ),
+            (
+                21,
+                ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
+                ibv_wc_opcode::IBV_WC_RECV,
+                qp_num(y)
+            ),
+        ],
+        "only y's flushes are left"
+    );
+    assert_no_completion(cq, Duration::from_millis(20));
+    // Both back to RTS: traffic completes on the same CQ, nothing of the old life shows up.
+    assert_eq!(unsafe { ibv_modify_qp(y, &mut a, state) }, 0);
+    connect(x, dev.lid, qp_num(y));
+    connect(y, dev.lid, qp_num(x));
+    assert_eq!(post_one_recv(x, 30, &mut [dst.sge(0, 8)]), 0);
+    let mut sge = [src.sge(0, 8)];
+    assert_eq!(
+        post_one_send(y, &mut send_wr(31, &mut sge, SEND, SIGNALED)),
+        0
+    );
+    let mut wcs = poll_n(cq, 2);
+    wcs.sort_by_key(|w| w.wr_id);
+    assert_eq!(
+        wcs.iter()
+            .map(|w| (w.wr_id, w.status, w.opcode, w.qp_num, w.byte_len))
+            .collect::<Vec<_>>(),
+        vec![
+            (
+                30,
+                ibv_wc_status::IBV_WC_SUCCESS,
+                ibv_wc_opcode::IBV_WC_RECV,
+                qp_num(x),
+                8
+            ),
+            (
+                31,
+                ibv_wc_status::IBV_WC_SUCCESS,
+                ibv_wc_opcode::IBV_WC_SEND,
+                qp_num(y),
+                8
+            ),
+        ]
+    );
+    assert_no_completion(cq, Duration::from_millis(20));
+    unsafe {
+        assert_eq!(ibv_destroy_qp(x), 0);
+        assert_eq!(ibv_destroy_qp(y), 0);
+    }
+    drop((dst, src));
+    unsafe {
+        assert_eq!(ibv_destroy_cq(cq), 0);
+    }
+}
+
 #[test]
 fn messages_wait_for_a_receive_and_arrive_in_order() {
     let lb = Loopback::rc(64);

@@ -3,7 +3,7 @@
 use super::boundary::{Attempt, Fallback, blocking, ffi_boundary, set_errno};
 use super::caller::{Caller, export_with_caller};
 use super::layout::{ContextShell, DeviceShell};
-use super::{ops, passthrough};
+use super::{ibv_import, passthrough};
 use crate::engine::{Engine, host_network};
 use crate::fake_verbs::VerbsError;
 use crate::fake_verbs::clock;
@@ -12,7 +12,6 @@ use crate::fake_verbs::device::{self, DeviceAttributes};
 use crate::sys::*;
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
-use std::cell::UnsafeCell;
 use std::os::raw::{c_char, c_int, c_uint};
 use std::ptr::{self, null_mut};
 use std::sync::{Arc, LazyLock, Once, OnceLock};
@@ -226,18 +225,10 @@ pub(crate) fn shut_down_at_exit() {
 fn open_context(dev: *mut ibv_device) -> Result<*mut ibv_context, VerbsError> {
     Engine::get()?;
     shut_down_at_exit();
+    debug_assert_eq!(dev, device().as_raw());
     let inner = Arc::new(DeviceContext::new()?);
-    let mut vctx = verbs_context::default();
-    ops::install_context_ops(&mut vctx);
-    vctx.context.device = dev;
-    vctx.context.cmd_fd = -1;
-    vctx.context.async_fd = inner.async_events.fd();
-    vctx.context.num_comp_vectors = 1;
-    let shell = Box::new(ContextShell {
-        vctx: UnsafeCell::new(vctx),
-        inner,
-    });
-    Ok(ContextShell::into_raw(shell))
+    let cmd_file = ibv_import::command_file(&inner)?;
+    Ok(ibv_import::context_shell(inner, cmd_file))
 }
 
 #[unsafe(no_mangle)]

@@ -1,9 +1,11 @@
 //! Device memory: `ibv_alloc_dm`, `ibv_free_dm`, `ibv_reg_dm_mr` (through the
 //! `verbs_context` table) and `ibv_memcpy_to_dm`/`ibv_memcpy_from_dm` (inline in verbs.h:
 //! they call the function pointers in the `ibv_dm` itself). The memory is host memory ugdr
-//! owns (`fake_verbs::dm`); copies outside it fail with EINVAL and touch nothing.
+//! owns (`fake_verbs::dm`); copies outside it (EFAULT) or not in 4-byte words (EINVAL) touch
+//! nothing.
 
 use super::boundary::{Fallback, ffi_boundary, status};
+use super::ibv_import;
 use super::ibv_pd_mr::{mr_shell, our_pd};
 use super::layout::{ContextShell, DmShell, owned_context};
 use crate::fake_verbs::dm::DeviceMemory;
@@ -11,6 +13,7 @@ use crate::fake_verbs::mr::MemoryRegion;
 use crate::sys::*;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_uint, c_void};
+use std::sync::Arc;
 
 /// `verbs_context.alloc_dm`: `length` in (0, max_dm_size], `log_align_req` ≤ 12,
 /// `comp_mask` 0 (else EINVAL); ENOMEM once `max_dm_size` is allocated.
@@ -32,22 +35,30 @@ pub(crate) unsafe extern "C" fn alloc_dm_op(
             return <*mut ibv_dm>::fail(libc::EINVAL);
         }
         match DeviceMemory::allocate(&shell.inner, a.length as u64, a.log_align_req) {
-            Ok(dm) => DmShell::into_raw(Box::new(DmShell {
-                ibv: UnsafeCell::new(ibv_dm {
-                    context: ctx,
-                    memcpy_to_dm: Some(memcpy_to_dm),
-                    memcpy_from_dm: Some(memcpy_from_dm),
-                    comp_mask: 0,
-                    handle: 0,
-                }),
-                inner: dm,
-            })),
+            Ok(dm) => {
+                let handle = ibv_import::publish_dm(&dm);
+                dm_shell(ctx, dm, handle)
+            }
             Err(e) => {
                 tracing::debug!("ibv_alloc_dm: {e}");
                 <*mut ibv_dm>::fail(e.errno())
             }
         }
     })
+}
+
+/// Hands out `dm` as an `ibv_dm` of `ctx` under `handle` (a new DM's, or an imported one's).
+pub(crate) fn dm_shell(ctx: *mut ibv_context, dm: Arc<DeviceMemory>, handle: u32) -> *mut ibv_dm {
+    DmShell::into_raw(Box::new(DmShell {
+        ibv: UnsafeCell::new(ibv_dm {
+            context: ctx,
+            memcpy_to_dm: Some(memcpy_to_dm),
+            memcpy_from_dm: Some(memcpy_from_dm),
+            comp_mask: 0,
+            handle,
+        }),
+        inner: dm,
+    }))
 }
 
 /// # Safety
@@ -69,9 +80,16 @@ pub(crate) unsafe extern "C" fn free_dm_op(dm: *mut ibv_dm) -> c_int {
         let Some(shell) = (unsafe { our_dm(dm) }) else {
             return c_int::fail(libc::EINVAL);
         };
+        // SAFETY: ours (checked), so a DmShell's ibv_dm.
+        let handle = unsafe { (*dm).handle };
+        if !ibv_import::is_live(handle) {
+            // Freed already through another struct of it (an imported one).
+            return c_int::fail(libc::EINVAL);
+        }
         if let Err(e) = shell.inner.check_freeable() {
             return status(Err(e));
         }
+        ibv_import::retire(handle);
         // SAFETY: ours; the application gives it up here.
         unsafe { DmShell::destroy(dm) };
         0
@@ -100,7 +118,10 @@ pub(crate) unsafe extern "C" fn reg_dm_mr_op(
             length as u64,
             access,
         ) {
-            Ok(mr) => mr_shell(pd, pd_shell, mr, std::ptr::null_mut(), length),
+            Ok(mr) => {
+                let handle = ibv_import::publish_mr(&mr);
+                mr_shell(pd, pd_shell, mr, std::ptr::null_mut(), length, handle)
+            }
             Err(e) => {
                 tracing::debug!("ibv_reg_dm_mr: {e}");
                 <*mut ibv_mr>::fail(e.errno())
@@ -116,13 +137,18 @@ fn dm_of<'a>(dm: *mut ibv_dm) -> Option<&'a DmShell> {
 }
 
 /// Copies `length` bytes between the DM's `[dm_offset, dm_offset + length)` and the host
-/// memory at `host` (`to_dm`: host → DM). 0, or EINVAL for a range outside the DM or a NULL
-/// host address (nothing copied).
+/// memory at `host` (`to_dm`: host → DM). 0, or (nothing copied) as mlx5, the provider with
+/// device memory, answers: EFAULT for a range outside the DM, EINVAL for an offset or length
+/// not a multiple of 4 (device memory is reached in 4-byte words) or a NULL host address.
 fn copy_dm(dm: *mut ibv_dm, dm_offset: u64, host: *mut u8, length: usize, to_dm: bool) -> c_int {
     let Some(shell) = dm_of(dm) else {
         return c_int::fail(libc::EINVAL);
     };
     match shell.inner.span(dm_offset, length as u64) {
+        Err(_) => c_int::fail(libc::EFAULT),
+        Ok(_) if !dm_offset.is_multiple_of(4) || !length.is_multiple_of(4) => {
+            c_int::fail(libc::EINVAL)
+        }
         Ok(_) if length == 0 => 0,
         Ok(_) if host.is_null() => c_int::fail(libc::EINVAL),
         Ok(span) => {
@@ -137,7 +163,6 @@ fn copy_dm(dm: *mut ibv_dm, dm_offset: u64, host: *mut u8, length: usize, to_dm:
             unsafe { std::ptr::copy(src, dst, length) };
             0
         }
-        Err(e) => c_int::fail(e.errno()),
     }
 }
 

@@ -1,14 +1,13 @@
 //! The rarely used libibverbs entry points that can be handed ugdr's objects but have
-//! nothing behind them in ugdr: sharing kernel objects between processes (`ibv_import_*`,
-//! `ibv_unimport_*`), the receive-side data-placement order query, and Ethernet neighbour
-//! resolution. Each answers for ugdr's objects as rdma-core answers for a provider without the
-//! op (`libibverbs/dummy_ops.c`); other libraries' objects go to the real function (by exact
+//! nothing behind them in ugdr: the receive-side data-placement order query, and Ethernet
+//! neighbour resolution (sharing objects between contexts is `ibv_import`). Each answers for
+//! ugdr's objects as rdma-core answers for a provider without the op
+//! (`libibverbs/dummy_ops.c`); other libraries' objects go to the real function (by exact
 //! version node). Left to the real library they would read ugdr's objects as its own
 //! (`get_ops(context)`) and crash.
 
 use super::boundary::{Fallback, ffi_boundary, set_errno};
 use super::ibv_device::ibv_query_gid;
-use super::ibv_not_yet::not_yet;
 use super::layout::{ContextShell, owned_context};
 use super::passthrough::real_functions;
 use crate::sys::*;
@@ -19,73 +18,9 @@ mod real {
     use super::*;
 
     real_functions! {
-    ibv_import_device @ "IBVERBS_1.10": fn(c_int) -> *mut ibv_context;
-    ibv_import_pd @ "IBVERBS_1.10": fn(*mut ibv_context, u32) -> *mut ibv_pd;
-    ibv_unimport_pd @ "IBVERBS_1.10": fn(*mut ibv_pd) -> ();
-    ibv_import_mr @ "IBVERBS_1.10": fn(*mut ibv_pd, u32) -> *mut ibv_mr;
-    ibv_unimport_mr @ "IBVERBS_1.10": fn(*mut ibv_mr) -> ();
-    ibv_import_dm @ "IBVERBS_1.13": fn(*mut ibv_context, u32) -> *mut ibv_dm;
-    ibv_unimport_dm @ "IBVERBS_1.13": fn(*mut ibv_dm) -> ();
     ibv_query_qp_data_in_order @ "IBVERBS_1.14": fn(*mut ibv_qp, ibv_wr_opcode, u32) -> c_int;
     ibv_resolve_eth_l2_from_gid @ "IBVERBS_1.1": fn(*mut ibv_context, *mut ibv_ah_attr, *mut u8, *mut u16) -> c_int;
     }
-}
-
-// Importing needs a kernel object handle; ugdr's objects have none to share, and nothing can
-// be imported into ugdr's context.
-not_yet! {
-    /// ugdr's context: NULL/EOPNOTSUPP.
-    ibv_import_pd(context: *mut ibv_context, pd_handle: u32) -> *mut ibv_pd,
-    context = context, ours = <*mut ibv_pd>::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    ibv_import_mr(pd: *mut ibv_pd, mr_handle: u32) -> *mut ibv_mr,
-    context = (*pd).context, ours = <*mut ibv_mr>::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    ibv_import_dm(context: *mut ibv_context, dm_handle: u32) -> *mut ibv_dm,
-    context = context, ours = <*mut ibv_dm>::fail(libc::EOPNOTSUPP);
-}
-not_yet! {
-    /// Nothing of ugdr's was imported: does nothing (rdma-core's default), the PD stays.
-    #[allow(clippy::unused_unit)]
-    ibv_unimport_pd(pd: *mut ibv_pd) -> (),
-    context = (*pd).context, ours = ();
-}
-not_yet! {
-    #[allow(clippy::unused_unit)]
-    ibv_unimport_mr(mr: *mut ibv_mr) -> (),
-    context = (*mr).context, ours = ();
-}
-not_yet! {
-    /// ugdr's device memory is never imported (`ibv_import_dm` fails): nothing to undo, the
-    /// DM stays (rdma-core's default).
-    #[allow(clippy::unused_unit)]
-    ibv_unimport_dm(dm: *mut ibv_dm) -> (),
-    context = (*dm).context, ours = ();
-}
-
-/// Imports a context from another process's command fd. ugdr's contexts have none
-/// (`cmd_fd` is -1), so only a real device's can be imported: the real function runs. Its
-/// own `ibv_get_device_list` call comes from libibverbs, so it gets the real list (it reads
-/// the private provider tail of every device listed, which ugdr's device does not have).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ibv_import_device(cmd_fd: c_int) -> *mut ibv_context {
-    ffi_boundary!("ibv_import_device", {
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: fstat writes one `stat` into our buffer; any descriptor value is acceptable.
-        let ok = unsafe { libc::fstat(cmd_fd, st.as_mut_ptr()) } == 0;
-        // SAFETY: written by the successful fstat (only read when `ok`).
-        if !ok || unsafe { st.assume_init_ref() }.st_mode & libc::S_IFMT != libc::S_IFCHR {
-            // rdma-core's first check: a command fd is a character device.
-            return <*mut ibv_context>::fail(libc::EINVAL);
-        }
-        match real::ibv_import_device() {
-            // SAFETY: the real function with the caller's descriptor.
-            Some(real) => unsafe { real(cmd_fd) },
-            None => <*mut ibv_context>::fail(libc::ENODEV),
-        }
-    })
 }
 
 /// Whether data lands in order within a message, so a reader may poll the data instead of

@@ -7,6 +7,7 @@
 //! to pages that are not mapped fail (checked per access, see `ucp::memory`).
 
 use super::boundary::{Fallback, ffi_boundary, set_errno, status};
+use super::ibv_import;
 use super::layout::{ContextShell, MrShell, PdShell, owned_context};
 use super::passthrough::{self, real_functions};
 use crate::fake_verbs::VerbsError;
@@ -43,7 +44,7 @@ pub unsafe extern "C" fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
         let pd = ProtectionDomain::new(shell.inner.clone());
         let ibv = ibv_pd {
             context: ctx,
-            handle: 0,
+            handle: ibv_import::publish_pd(&pd),
         };
         PdShell::into_raw(Box::new(PdShell {
             ibv: UnsafeCell::new(ibv),
@@ -76,6 +77,16 @@ pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
                 _ => c_int::fail(libc::EINVAL),
             };
         };
+        // A parent domain carries its PD's handle (as rdma-core's) but is not that PD.
+        let handle = match &shell.parent {
+            // SAFETY: ours (checked), so a PdShell's ibv_pd.
+            None => unsafe { (*pd).handle },
+            Some(_) => 0,
+        };
+        if handle != 0 && !ibv_import::is_live(handle) {
+            // Deallocated already through another struct of it (an imported one).
+            return c_int::fail(libc::EINVAL);
+        }
         // A parent domain goes when nothing was created through it; its PD stays (the
         // parent domain counted itself out of it when dropped). A PD goes when nothing (parent
         // domains included) uses it.
@@ -86,6 +97,7 @@ pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
         if let Err(e) = busy {
             return status(Err(e));
         }
+        ibv_import::retire(handle);
         // SAFETY: ours; the application gives it up here.
         unsafe { PdShell::destroy(pd) };
         0
@@ -132,13 +144,15 @@ pub(crate) fn register_host(
     MemoryRegion::register(pd, region, iova, access)
 }
 
-/// Hands out `mr` as an `ibv_mr` of `pd` (its `addr` and `length` as given).
+/// Hands out `mr` as an `ibv_mr` of `pd` (its `addr` and `length` as given) under `handle`
+/// (a new MR's from `ibv_import::publish_mr`, an imported one's).
 pub(crate) fn mr_shell(
     pd: *mut ibv_pd,
     shell: &PdShell,
     mr: Arc<MemoryRegion>,
     addr: *mut c_void,
     length: usize,
+    handle: u32,
 ) -> *mut ibv_mr {
     // SAFETY: reading the PD's context field of our own PD.
     let context = unsafe { (*shell.as_raw()).context };
@@ -147,7 +161,7 @@ pub(crate) fn mr_shell(
         pd,
         addr,
         length,
-        handle: 0,
+        handle,
         lkey: mr.lkey(),
         rkey: mr.rkey(),
     };
@@ -166,7 +180,10 @@ fn register(
     access: u32,
 ) -> *mut ibv_mr {
     match register_host(&shell.inner, addr as u64, length as u64, iova, access) {
-        Ok(mr) => mr_shell(pd, shell, mr, addr, length),
+        Ok(mr) => {
+            let handle = ibv_import::publish_mr(&mr);
+            mr_shell(pd, shell, mr, addr, length, handle)
+        }
         Err(e) => {
             tracing::debug!("ibv_reg_mr: {e}");
             <*mut ibv_mr>::fail(e.errno())
@@ -253,12 +270,19 @@ pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
             };
         }
         // SAFETY: its context is ours, so it is an MrShell.
+        let handle = unsafe { (*mr).handle };
+        if !ibv_import::is_live(handle) {
+            // Deregistered already through another struct of it (an imported one).
+            return c_int::fail(libc::EINVAL);
+        }
+        // SAFETY: its context is ours, so it is an MrShell.
         if let Some(shell) = unsafe { MrShell::from_raw(mr) }
             && let Err(e) = shell.inner.deregister()
         {
             tracing::debug!("ibv_dereg_mr: {e}");
             return c_int::fail(e.errno());
         }
+        ibv_import::retire(handle);
         // SAFETY: ours; the application gives it up here.
         unsafe { MrShell::destroy(mr) };
         0

@@ -38,7 +38,8 @@ const UC_SEND_OPS: u64 = UD_SEND_OPS
 const RC_SEND_OPS: u64 = UC_SEND_OPS
     | (ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0
         | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP.0
-        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD.0) as u64;
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD.0
+        | ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_ATOMIC_WRITE.0) as u64;
 
 /// XRC: SENDs, RDMA and atomics (no memory-window operations).
 const XRC_SEND_OPS: u64 = UD_SEND_OPS
@@ -940,6 +941,28 @@ unsafe extern "C" fn wr_atomic_cmp_swp(
     })
 }
 
+unsafe extern "C" fn wr_atomic_write(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    remote_addr: u64,
+    atomic_wr: *const c_void,
+) {
+    ffi_boundary!("ibv_wr_atomic_write", {
+        if atomic_wr.is_null() {
+            // SAFETY: see `batch`.
+            let (_, b) = unsafe { batch(qp) };
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        // SAFETY: the verb's contract: `atomic_wr` points to the 8 bytes to write (any
+        // alignment), read now as rxe copies them at this call.
+        let bytes = unsafe { std::ptr::read_unaligned(atomic_wr as *const [u8; 8]) };
+        push_remote(qp, SendOpcode::AtomicWrite, rkey, remote_addr, |r| {
+            r.compare_add = u64::from_ne_bytes(bytes)
+        })
+    })
+}
+
 unsafe extern "C" fn wr_send_imm(qp: *mut ibv_qp_ex, imm_data: __be32) {
     ffi_boundary!("ibv_wr_send_imm", {
         // SAFETY: see `batch`.
@@ -1134,7 +1157,6 @@ unsafe extern "C" fn wr_set_xrc_srqn(qp: *mut ibv_qp_ex, remote_srqn: u32) {
         with_last(b, |r| r.xrc_srqn = remote_srqn);
     })
 }
-refused_builder!(wr_atomic_write, u32, u64, *const c_void);
 
 pub(crate) fn install_wr_ops(qp: &mut ibv_qp_ex) {
     qp.wr_start = Some(wr_start);

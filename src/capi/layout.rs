@@ -52,6 +52,8 @@ impl DeviceShell {
 pub(crate) struct ContextShell {
     pub vctx: UnsafeCell<verbs_context>,
     pub inner: Arc<DeviceContext>,
+    /// Its command fd (`cmd_fd`): closed with the context (`capi::ibv_import`).
+    pub cmd_file: std::os::fd::OwnedFd,
 }
 
 /// The `ibv_context` pointers ugdr handed out (the ownership test for pass-through).

@@ -9,6 +9,7 @@ mod ibv_cq;
 mod ibv_device;
 mod ibv_dm;
 mod ibv_domain;
+mod ibv_import;
 mod ibv_mcast;
 mod ibv_misc;
 mod ibv_mw;

@@ -79,6 +79,9 @@ pub enum Op {
 
 pub const ATOMIC_FETCH_ADD: u8 = 1;
 pub const ATOMIC_CMP_SWAP: u8 = 2;
+/// In a [`Op::Write`]'s `status`: an ATOMIC WRITE, whose 8-byte payload is stored at the
+/// aligned `remote_addr` in one indivisible write (not split as a WRITE may be).
+pub const ATOMIC_WRITE: u8 = 3;
 
 /// Why a responder refused a message (carried in an ACK's status).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -185,6 +185,13 @@ impl CompletionQueue {
         n
     }
 
+    /// Removes the completions of QP `qp_num` not yet polled (the QP was reset), as mlx4,
+    /// mlx5, hns and bnxt_re clean their CQs on a move to RESET: completions of the QP's
+    /// previous life, flushes included, never reach the application afterwards.
+    pub fn discard_qp(&self, qp_num: u32) {
+        self.ring().entries.retain(|wc| wc.qp_num != qp_num);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.ring().entries.is_empty()
     }

@@ -66,7 +66,8 @@ pub mod odp {
     const READ: u32 = 1 << 3;
     const ATOMIC: u32 = 1 << 4;
     const SRQ_RECV: u32 = 1 << 5;
-    pub const RC_CAPS: u32 = SEND | RECV | WRITE | READ | ATOMIC | SRQ_RECV;
+    const ATOMIC_WRITE: u32 = 1 << 7;
+    pub const RC_CAPS: u32 = SEND | RECV | WRITE | READ | ATOMIC | SRQ_RECV | ATOMIC_WRITE;
     pub const UC_CAPS: u32 = SEND | RECV | WRITE | SRQ_RECV;
     pub const UD_CAPS: u32 = SEND | RECV | SRQ_RECV;
     /// XRC carries SENDs into XRC SRQs, RDMA and atomics.

@@ -175,10 +175,11 @@ fn check_host_registration(region: &AppRegion, iova: u64, access: u32) -> Result
 
 /// A direct-access slot for a registration that grants remote access to pinned memory
 /// (on-demand memory stays on the message path, where the responder checks each access
-/// against the mappings), and the rkey naming it; None when the path is off or full.
+/// against the mappings), and the rkey naming it; None when the path is off or full, or the
+/// region is empty (a zero-length device-memory MR has nothing to publish).
 fn direct_slot(access: u32, region: &AppRegion) -> Option<(u16, u32)> {
     let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
-    if !remote || region.is_on_demand() {
+    if !remote || region.is_on_demand() || region.is_empty() {
         return None;
     }
     let slot = Engine::local_memory()?.allocate_region_slot()?;
@@ -321,12 +322,11 @@ impl MemoryRegion {
             ));
         }
         check_access(access & !ACCESS_ZERO_BASED)?;
-        if length == 0 {
-            return Err(VerbsError::Invalid("zero-length memory region"));
-        }
         if !Arc::ptr_eq(&dm.context, &pd.context) {
             return Err(VerbsError::Invalid("device memory of another context"));
         }
+        // Length 0 is a valid MR covering nothing, as the kernel and mlx5 register it (only
+        // zero-length SGEs reach it).
         let region = dm.region(offset, length)?;
         let lkey = unused_key(&BY_LKEY, None);
         let keys = match direct_slot(access, &region) {
@@ -384,10 +384,11 @@ impl MemoryRegion {
     /// `access` (the caller passes the old values for what does not change). Conceptually a
     /// deregistration then a registration: operations already holding the old one finish,
     /// same-host peers are fenced off the old memory before this returns and see the new one
-    /// afterwards. The lkey stays; the rkey stays unless the new registration is published
-    /// for the direct path, which takes a new slot and so a new rkey (rdma-core reports the
-    /// keys after every re-registration): the new one is published while the old one still
-    /// holds the shared pages, then the old one is withdrawn. On failure nothing changed.
+    /// afterwards. Both keys stay, as rxe's and mlx5's do (rdma-core's own tests go on using
+    /// the rkey they exchanged before): the new registration takes the old one's direct-path
+    /// slot, which the rkey names, and is published there once the old one is withdrawn; a
+    /// region that had no slot (no remote access before) stays on the message path. On
+    /// failure nothing changed.
     pub fn reregister(
         &self,
         pd: &Arc<ProtectionDomain>,
@@ -409,28 +410,24 @@ impl MemoryRegion {
         }
         check_host_registration(&region, iova, access)?;
         let old = Arc::clone(&current);
-        let keys = match direct_slot(access, &region) {
-            Some((slot, rkey)) => (old.lkey, rkey, Some(slot)),
-            None => (old.lkey, old.rkey, None),
-        };
-        // Published (in its own slot) while the old registration still keeps the pages
-        // shared, so the same pages stay on the direct path.
-        let new = Registration::new(pd, region, iova, access, None, keys);
+        // Same-host peers fenced off the old one before the new one takes its slot; until
+        // the keys name the new one below, an access goes by message to the old one.
+        old.withdraw();
+        let new = Registration::new(
+            pd,
+            region,
+            iova,
+            access,
+            None,
+            (old.lkey, old.rkey, old.slot),
+        );
         if !Arc::ptr_eq(&new.pd, &old.pd) {
             new.pd.adopt_child();
             old.pd.release_child();
         }
         BY_LKEY.insert(new.lkey, Arc::clone(&new));
-        if new.rkey != old.rkey {
-            BY_RKEY.remove(&old.rkey);
-        }
         BY_RKEY.insert(new.rkey, Arc::clone(&new));
         *current = new;
-        // Same-host peers fenced off the old one: once this returns nothing lands there.
-        old.withdraw();
-        if let (Some(m), Some(s)) = (Engine::local_memory(), old.slot) {
-            m.free_region_slot(s);
-        }
         Ok(())
     }
 

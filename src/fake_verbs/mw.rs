@@ -9,7 +9,8 @@
 //!   `mw->rkey` being the window's current key (`ibv_bind_mw` keeps it so); a region of the window's PD that is
 //!   not zero-based and has `IBV_ACCESS_MW_BIND` (C10-73); local write on the region when the
 //!   window grants remote write or atomics (C10-74); the range inside the region (C10-75); no
-//!   access but remote read/write/atomic (zero-based windows are not offered). A type 1 window
+//!   access but remote read/write/atomic (local write, meaningless for a window, is accepted
+//!   and ignored as rxe and mlx5 do; zero-based windows are not offered). A type 1 window
 //!   may be bound again (replacing the binding) or unbound with length 0; a type 2 window only
 //!   when unbound (o10-37.2.30), through a QP of its PD (C10-72), with a region and a length
 //!   (o10-37.2.40). Anything else completes the WR with `IBV_WC_MW_BIND_ERR`.
@@ -214,7 +215,9 @@ impl MemoryWindow {
                 "the rkey is not the window's current one",
             ));
         }
-        if req.access & !(WINDOW_ACCESS | ACCESS_ZERO_BASED) != 0 {
+        // Local write is a region's right, meaningless for a window: accepted and ignored, as
+        // rxe and mlx5 do (rdma-core's own tests bind with it).
+        if req.access & !(WINDOW_ACCESS | ACCESS_ZERO_BASED | ACCESS_LOCAL_WRITE) != 0 {
             return Err(VerbsError::Invalid("access flags a window cannot grant"));
         }
         if req.access & ACCESS_ZERO_BASED != 0 {
@@ -276,7 +279,7 @@ impl MemoryWindow {
             registration,
             addr: req.addr,
             len: req.length,
-            access: req.access,
+            access: req.access & WINDOW_ACCESS,
             qpn,
         });
         b.rkey = new_rkey;

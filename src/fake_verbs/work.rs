@@ -35,6 +35,10 @@ pub enum SendOpcode {
     BindMw,
     /// A SEND that invalidates the peer's memory window `rkey` (remote invalidation).
     SendWithInv,
+    /// RDMA ATOMIC WRITE (`ibv_wr_atomic_write` only, as rxe: `ibv_post_send` has no
+    /// operand for it): the 8 bytes in [`SendRequest::compare_add`] (their bytes as given)
+    /// are stored at the 8-byte aligned `remote_addr` in one indivisible write.
+    AtomicWrite,
 }
 
 impl SendOpcode {
@@ -65,6 +69,7 @@ impl SendOpcode {
             SendOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
             SendOpcode::LocalInv => WcOpcode::LocalInv,
             SendOpcode::BindMw => WcOpcode::BindMw,
+            SendOpcode::AtomicWrite => WcOpcode::AtomicWrite,
         }
     }
 }
@@ -138,6 +143,9 @@ impl SendRequest {
     }
 
     pub fn length(&self) -> u64 {
+        if self.opcode == SendOpcode::AtomicWrite {
+            return 8;
+        }
         match &self.inline_data {
             Some(d) => d.len() as u64,
             None => self.sges.iter().map(|s| u64::from(s.length)).sum(),
@@ -211,6 +219,7 @@ pub enum WcOpcode {
     FetchAdd = 4,
     BindMw = 5,
     LocalInv = 6,
+    AtomicWrite = 9,
     Recv = 128,
     RecvRdmaWithImm = 129,
 }

@@ -635,6 +635,16 @@ impl AppSpan {
         })
     }
 
+    /// Stores `value` in the 8 bytes in one indivisible write (an ATOMIC WRITE); false unless
+    /// the span is 8 aligned bytes. Nothing changes if its region died.
+    pub fn atomic_store(&self, value: u64) -> bool {
+        self.atomically(|a| {
+            a.store(value, Ordering::SeqCst);
+            0
+        })
+        .is_some()
+    }
+
     fn atomically(&self, op: impl FnOnce(&std::sync::atomic::AtomicU64) -> u64) -> Option<u64> {
         if self.len != 8 || !self.addr.is_multiple_of(8) {
             return None;

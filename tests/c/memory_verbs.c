@@ -153,6 +153,8 @@ static void rereg(struct ibv_pd *pd)
     CHECK(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
                        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ) == 0, "rereg access");
     CHECK(mr->addr == t1 && mr->length == (size_t)page && mr->pd == pd, "rereg access: mr fields");
+    /* The keys stay across every re-registration, as rxe's and mlx5's (peers keep using them). */
+    CHECK(mr->lkey == lkey && mr->rkey == rkey, "rereg access changed the keys");
     one_sided(&p, IBV_WR_RDMA_READ, (uintptr_t)src + 1024, 256, smr->lkey, (uintptr_t)t1 + 8, mr->rkey,
               IBV_WC_SUCCESS, "read after access rereg");
     CHECK(memcmp(src + 1024, src, 256) == 0, "read after access rereg: data");
@@ -166,6 +168,7 @@ static void rereg(struct ibv_pd *pd)
     CHECK(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_TRANSLATION | IBV_REREG_MR_CHANGE_ACCESS, NULL, t2, 2 * page, rw) == 0,
           "rereg translation");
     CHECK(mr->addr == t2 && mr->length == (size_t)(2 * page) && mr->pd == pd, "rereg translation: mr fields");
+    CHECK(mr->lkey == lkey && mr->rkey == rkey, "rereg translation changed the keys");
     p = pair_new(pd, pd);
     one_sided(&p, IBV_WR_RDMA_WRITE, (uintptr_t)src, page, smr->lkey, (uintptr_t)t2 + page, mr->rkey,
               IBV_WC_SUCCESS, "write to the new range");
@@ -180,6 +183,7 @@ static void rereg(struct ibv_pd *pd)
     CHECK(pd2, "alloc_pd");
     CHECK(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_PD, pd2, NULL, 0, 0) == 0, "rereg pd");
     CHECK(mr->pd == pd2 && mr->addr == t2, "rereg pd: mr fields");
+    CHECK(mr->lkey == lkey && mr->rkey == rkey, "rereg pd changed the keys");
     FAILS_WITH(ibv_dealloc_pd(pd2), EBUSY, EBUSY);
     p = pair_new(pd, pd);
     one_sided(&p, IBV_WR_RDMA_WRITE, (uintptr_t)src, 64, smr->lkey, (uintptr_t)t2, mr->rkey,
@@ -198,6 +202,21 @@ static void rereg(struct ibv_pd *pd)
     CHECK(memcmp(t2 + 4096, src, 64) == 0, "own lkey write: data");
     pair_free(&p);
 
+    /* Remote write granted afterwards to an MR registered without remote access: the rkey
+     * handed out at registration reaches it (rdma-core's test_mr_rereg_access). */
+    struct ibv_mr *late = ibv_reg_mr(pd, t1, page, IBV_ACCESS_LOCAL_WRITE);
+    CHECK(late, "reg_mr without remote access");
+    uint32_t late_rkey = late->rkey;
+    CHECK(ibv_rereg_mr(late, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0, rw) == 0, "rereg to remote write");
+    CHECK(late->rkey == late_rkey, "rereg to remote write changed the rkey");
+    fill(src, page, 4);
+    p = pair_new(pd, pd);
+    one_sided(&p, IBV_WR_RDMA_WRITE, (uintptr_t)src, 128, smr->lkey, (uintptr_t)t1 + 64, late_rkey,
+              IBV_WC_SUCCESS, "write through the rkey given before the rereg");
+    CHECK(memcmp(t1 + 64, src, 128) == 0, "write through the rkey given before the rereg: data");
+    pair_free(&p);
+
+    CHECK(ibv_dereg_mr(late) == 0, "dereg late");
     CHECK(ibv_dereg_mr(mr) == 0 && ibv_dereg_mr(smr) == 0 && ibv_dereg_mr(smr2) == 0, "dereg");
     CHECK(ibv_dealloc_pd(pd2) == 0 && ibv_dealloc_pd(other_ctx_pd) == 0 && ibv_close_device(ctx2) == 0, "teardown");
     munmap(src, page); munmap(t1, page); munmap(t2, 2 * page);
@@ -353,14 +372,18 @@ static void dm(struct ibv_pd *pd)
     memset(back, 0, sizeof back);
     CHECK(ibv_memcpy_from_dm(back, d, 0, sizeof back) == 0 && memcmp(back, host, sizeof host) == 0, "roundtrip");
     CHECK(ibv_memcpy_from_dm(back, d, 8000, 192) == 0 && memcmp(back, host + 8000, 192) == 0, "tail");
-    /* Out of bounds: EINVAL, nothing copied either way. */
+    /* Out of bounds: EFAULT; not in 4-byte words: EINVAL (as mlx5); nothing copied either way. */
     char zeros[64] = { 0 };
-    CHECK(ibv_memcpy_to_dm(d, 8192 - 32, zeros, 64) == EINVAL, "to_dm past the end");
-    CHECK(ibv_memcpy_to_dm(d, 8192, zeros, 1) == EINVAL, "to_dm at the end");
-    CHECK(ibv_memcpy_to_dm(d, UINT64_MAX - 8, zeros, 64) == EINVAL, "to_dm offset wraps");
+    CHECK(ibv_memcpy_to_dm(d, 8192 - 32, zeros, 64) == EFAULT, "to_dm past the end");
+    CHECK(ibv_memcpy_to_dm(d, 8192, zeros, 1) == EFAULT, "to_dm at the end");
+    CHECK(ibv_memcpy_to_dm(d, UINT64_MAX - 8, zeros, 64) == EFAULT, "to_dm offset wraps");
+    CHECK(ibv_memcpy_to_dm(d, 2, zeros, 4) == EINVAL, "to_dm at an unaligned offset");
+    CHECK(ibv_memcpy_to_dm(d, 4, zeros, 3) == EINVAL, "to_dm of an unaligned length");
     memset(back, 0x77, sizeof back);
-    CHECK(ibv_memcpy_from_dm(back, d, 8100, 100) == EINVAL, "from_dm past the end");
-    CHECK((unsigned char)back[0] == 0x77, "from_dm past the end copied");
+    CHECK(ibv_memcpy_from_dm(back, d, 8100, 100) == EFAULT, "from_dm past the end");
+    CHECK(ibv_memcpy_from_dm(back, d, 3, 4) == EINVAL, "from_dm at an unaligned offset");
+    CHECK(ibv_memcpy_from_dm(back, d, 0, 6) == EINVAL, "from_dm of an unaligned length");
+    CHECK((unsigned char)back[0] == 0x77, "failed from_dm copied");
     CHECK(ibv_memcpy_from_dm(back, d, 0, sizeof back) == 0 && memcmp(back, host, sizeof host) == 0,
           "out-of-bounds copies changed the DM");
     CHECK(ibv_memcpy_to_dm(d, 8192, zeros, 0) == 0, "zero-length copy at the end");
@@ -388,6 +411,9 @@ static void dm(struct ibv_pd *pd)
     FAILS_WITH(ibv_reg_dm_mr(pd, d, 0, 4096, rw | IBV_ACCESS_ZERO_BASED | IBV_ACCESS_ON_DEMAND), NULL, EINVAL);
     struct ibv_mr *dmr = ibv_reg_dm_mr(pd, d, 4096, 4096, rw | IBV_ACCESS_ZERO_BASED);
     CHECK(dmr && dmr->addr == NULL && dmr->length == 4096 && dmr->pd == pd, "reg_dm_mr");
+    /* Length 0 at the very end: an MR covering nothing (the kernel and mlx5 register it). */
+    struct ibv_mr *empty = ibv_reg_dm_mr(pd, d, 8192, 0, rw | IBV_ACCESS_ZERO_BASED);
+    CHECK(empty && empty->length == 0 && empty->rkey != dmr->rkey, "reg_dm_mr of length 0");
     FAILS_WITH(ibv_rereg_mr(dmr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0, IBV_ACCESS_LOCAL_WRITE),
                IBV_REREG_MR_ERR_CMD, EINVAL);
     CHECK(ibv_free_dm(d) == EBUSY, "free_dm with an MR");
@@ -416,8 +442,12 @@ static void dm(struct ibv_pd *pd)
     one_sided(&p, IBV_WR_RDMA_WRITE, (uintptr_t)src, 64, smr->lkey, 4096 - 32, dmr->rkey, IBV_WC_REM_ACCESS_ERR,
               "write past the DM MR");
     pair_free(&p);
+    p = pair_new(pd, pd);
+    one_sided(&p, IBV_WR_RDMA_WRITE, (uintptr_t)src, 4, smr->lkey, 0, empty->rkey, IBV_WC_REM_ACCESS_ERR,
+              "write into the zero-length DM MR");
+    pair_free(&p);
 
-    CHECK(ibv_dereg_mr(dmr) == 0 && ibv_dereg_mr(smr) == 0, "dereg");
+    CHECK(ibv_dereg_mr(empty) == 0 && ibv_dereg_mr(dmr) == 0 && ibv_dereg_mr(smr) == 0, "dereg");
     CHECK(ibv_free_dm(d) == 0, "free_dm");
     munmap(src, page);
     printf("dm: ok\n");

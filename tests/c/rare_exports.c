@@ -1,7 +1,9 @@
 /* The rarely used libibverbs/librdmacm entry points, called with ugdr's objects, linked
  * against the real libraries and run with libugdr.so preloaded. Each must answer as rdma-core
- * answers for a device without the feature; none may reach the real library (which would
- * read ugdr's objects as its own and crash). Exit 0 only if every check holds. */
+ * answers (for a device without the feature, where ugdr has none); none may reach the real
+ * library (which would read ugdr's objects as its own and crash). Importing (a second
+ * context on a dup of the command fd, sharing PDs, MRs and DMs by handle) is carried.
+ * Exit 0 only if every check holds. */
 #include <infiniband/verbs.h>
 #include <rdma/rsocket.h>
 #include <arpa/inet.h>
@@ -36,22 +38,74 @@ static void data_in_order(struct ibv_qp *qp, const char *what)
 
 static void imports(struct ibv_context *ctx, struct ibv_pd *pd, struct ibv_mr *mr)
 {
-    FAILS_WITH(ibv_import_pd(ctx, 1), NULL, EOPNOTSUPP);
-    FAILS_WITH(ibv_import_mr(pd, mr->handle), NULL, EOPNOTSUPP);
-    FAILS_WITH(ibv_import_dm(ctx, 1), NULL, EOPNOTSUPP);
-    /* Nothing of ugdr's was imported: unimport does nothing, the objects stay usable. */
-    ibv_unimport_mr(mr);
-    ibv_unimport_pd(pd);
+    /* The command fd is a file of the context's own; a duplicate of it opens a second context
+     * on the same device, where the first one's PDs, MRs and DMs are found by their handles. */
+    CHECK(ctx->cmd_fd >= 0 && pd->handle && mr->handle && mr->handle != pd->handle,
+          "cmd_fd %d pd handle %u mr handle %u", ctx->cmd_fd, pd->handle, mr->handle);
+    FAILS_WITH(ibv_import_device(-1), NULL, EINVAL);
+    int fd = dup(ctx->cmd_fd);
+    CHECK(fd >= 0, "dup cmd_fd");
+    struct ibv_context *ictx = ibv_import_device(fd);
+    CHECK(ictx && ictx != ctx && ictx->cmd_fd == fd && ictx->device == ctx->device, "import_device");
+    struct ibv_pd *ipd = ibv_import_pd(ictx, pd->handle);
+    CHECK(ipd && ipd != pd && ipd->context == ictx && ipd->handle == pd->handle, "import_pd");
+    struct ibv_mr *imr = ibv_import_mr(ipd, mr->handle);
+    CHECK(imr && imr != mr && imr->context == ictx && imr->pd == ipd && imr->addr == NULL &&
+          imr->length == mr->length && imr->lkey == mr->lkey && imr->rkey == mr->rkey &&
+          imr->handle == mr->handle, "import_mr");
+    /* Handles naming nothing, or an object of another kind: ENOENT. */
+    FAILS_WITH(ibv_import_pd(ictx, 0), NULL, ENOENT);
+    FAILS_WITH(ibv_import_pd(ictx, mr->handle), NULL, ENOENT);
+    FAILS_WITH(ibv_import_mr(ipd, pd->handle), NULL, ENOENT);
+    FAILS_WITH(ibv_import_dm(ictx, 0), NULL, ENOENT);
+    /* Another device context's objects are not found, nor an MR through another PD. */
+    struct ibv_context *other = ibv_open_device(ctx->device);
+    CHECK(other && other->cmd_fd >= 0 && other->cmd_fd != ctx->cmd_fd, "second context");
+    struct ibv_pd *opd = ibv_alloc_pd(other);
+    CHECK(opd && opd->handle != pd->handle, "alloc_pd on the second context");
+    FAILS_WITH(ibv_import_pd(ictx, opd->handle), NULL, ENOENT);
+    FAILS_WITH(ibv_import_pd(other, pd->handle), NULL, ENOENT);
+    FAILS_WITH(ibv_import_mr(opd, mr->handle), NULL, ENOENT);
+    /* The imported PD is the PD: busy while the MR is registered on it. */
+    errno = 0;
+    CHECK(ibv_dealloc_pd(ipd) == EBUSY && errno == EBUSY, "dealloc of the imported PD under an MR");
+    /* Device memory: written through one struct, read through the other. */
+    struct ibv_alloc_dm_attr da = { .length = 4096 };
+    struct ibv_dm *dm = ibv_alloc_dm(ctx, &da);
+    CHECK(dm && dm->handle && dm->handle != mr->handle, "alloc_dm");
+    struct ibv_dm *idm = ibv_import_dm(ictx, dm->handle);
+    CHECK(idm && idm != dm && idm->context == ictx && idm->handle == dm->handle, "import_dm");
+    FAILS_WITH(ibv_import_dm(other, dm->handle), NULL, ENOENT);
+    unsigned char in[256], out[256];
+    for (int i = 0; i < 256; i++)
+        in[i] = (unsigned char)(i * 7 + 3);
+    memset(out, 0, sizeof out);
+    CHECK(ibv_memcpy_to_dm(dm, 512, in, sizeof in) == 0 && ibv_memcpy_from_dm(out, idm, 512, sizeof out) == 0 &&
+          memcmp(in, out, sizeof in) == 0, "data through the imported DM");
+    /* Freeing through the imported struct frees the DM; the original struct may only be
+     * unimported from then on. */
+    CHECK(ibv_free_dm(idm) == 0, "free_dm through the imported struct");
+    errno = 0;
+    CHECK(ibv_free_dm(dm) == EINVAL && errno == EINVAL, "free_dm of a freed DM");
+    FAILS_WITH(ibv_import_dm(ictx, dm->handle), NULL, ENOENT);
+    ibv_unimport_dm(dm);
+    /* Unimporting frees one struct: the objects stay, importable again. */
+    ibv_unimport_mr(imr);
+    ibv_unimport_pd(ipd);
     CHECK(mr->pd == pd && mr->context == ctx, "mr after unimport");
-    /* ugdr's context has no command fd to share (cmd_fd is -1). */
-    CHECK(ctx->cmd_fd == -1, "cmd_fd %d", ctx->cmd_fd);
-    FAILS_WITH(ibv_import_device(ctx->cmd_fd), NULL, EINVAL);
+    struct ibv_pd *again = ibv_import_pd(ictx, pd->handle);
+    CHECK(again && again != pd, "import_pd after unimport");
+    ibv_unimport_pd(again);
+    CHECK(ibv_close_device(ictx) == 0, "close the imported context");
+    errno = 0;
+    CHECK(fcntl(fd, F_GETFD) == -1 && errno == EBADF, "the imported context kept its cmd_fd open");
+    CHECK(ibv_dealloc_pd(opd) == 0 && ibv_close_device(other) == 0, "second context teardown");
     /* A character device that is no uverbs node: the real library searches its own devices
      * only (not ugdr0, whose private tail it cannot read) and finds none. */
-    int fd = open("/dev/null", O_RDWR);
-    CHECK(fd >= 0, "open /dev/null");
-    FAILS_WITH(ibv_import_device(fd), NULL, ENODEV);
-    close(fd);
+    int nfd = open("/dev/null", O_RDWR);
+    CHECK(nfd >= 0, "open /dev/null");
+    FAILS_WITH(ibv_import_device(nfd), NULL, ENODEV);
+    close(nfd);
 }
 
 static void eth_l2(struct ibv_context *ctx)
@@ -172,9 +226,22 @@ int main(void)
     /* Everything is still ugdr's and still works. */
     struct ibv_mr *mr2 = ibv_reg_mr(pd, mem, 64, IBV_ACCESS_LOCAL_WRITE);
     CHECK(mr2 && ibv_dereg_mr(mr2) == 0, "reg_mr after unimport_pd");
-    CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
+    /* Deregistering through an imported struct deregisters the MR: the original struct may
+     * only be unimported; the PD then goes through its imported struct. */
+    int fd = dup(ctx->cmd_fd);
+    struct ibv_context *ictx = ibv_import_device(fd);
+    struct ibv_pd *ipd = ictx ? ibv_import_pd(ictx, pd->handle) : NULL;
+    struct ibv_mr *imr = ipd ? ibv_import_mr(ipd, mr->handle) : NULL;
+    CHECK(imr && ibv_dereg_mr(imr) == 0, "dereg_mr through the imported struct");
+    errno = 0;
+    CHECK(ibv_dereg_mr(mr) == EINVAL && errno == EINVAL, "dereg_mr of a deregistered MR");
+    ibv_unimport_mr(mr);
+    CHECK(ibv_dealloc_pd(ipd) == 0, "dealloc_pd through the imported struct");
+    errno = 0;
+    CHECK(ibv_dealloc_pd(pd) == EINVAL && errno == EINVAL, "dealloc_pd of a deallocated PD");
+    ibv_unimport_pd(pd);
+    CHECK(ibv_close_device(ictx) == 0, "close the imported context");
     CHECK(ibv_destroy_cq(cq) == 0, "destroy_cq");
-    CHECK(ibv_dealloc_pd(pd) == 0, "dealloc_pd");
     CHECK(ibv_close_device(ctx) == 0, "close_device");
     printf("rare_exports: ok\n");
     return 0;

@@ -106,6 +106,11 @@ pub(super) enum Response {
         compare_add: u64,
         swap: u64,
     },
+    /// An ATOMIC WRITE, stored once every earlier request took effect; answered by the ACK.
+    AtomicWrite {
+        span: AppSpan,
+        value: u64,
+    },
 }
 
 /// UCX work to start once the queue lock is released. UCX may run callbacks inline inside any

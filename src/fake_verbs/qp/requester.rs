@@ -171,6 +171,9 @@ impl QueuePair {
             ) => {
                 return Err(VerbsError::Invalid("UC carries no RDMA READ or atomics"));
             }
+            (QpType::Uc | QpType::XrcSend, SendOpcode::AtomicWrite) => {
+                return Err(VerbsError::Invalid("ATOMIC WRITE is carried over RC only"));
+            }
             (
                 QpType::XrcSend,
                 SendOpcode::SendWithInv | SendOpcode::BindMw | SendOpcode::LocalInv,
@@ -202,6 +205,14 @@ impl QueuePair {
                 }
                 Op::Atomic
             }
+            SendOpcode::AtomicWrite => {
+                if !req.remote_addr.is_multiple_of(8) {
+                    return Err(VerbsError::Invalid(
+                        "atomic write needs an 8-byte aligned remote address",
+                    ));
+                }
+                Op::Write
+            }
         };
         if req.inline_data.is_some() && !matches!(op, Op::Send | Op::Write) {
             return Err(VerbsError::Invalid(
@@ -227,6 +238,10 @@ impl QueuePair {
         });
         let payload = match req.inline_data {
             Some(bytes) => SendPayload::Owned(bytes),
+            // Its operand, as the application's 8 bytes.
+            None if req.opcode == SendOpcode::AtomicWrite => {
+                SendPayload::Owned(req.compare_add.to_ne_bytes().as_slice().into())
+            }
             None => {
                 // READ and atomics land in local memory: it must be writable.
                 let lands_here = !matches!(op, Op::Send | Op::Write);
@@ -311,6 +326,7 @@ impl QueuePair {
         match req.opcode {
             SendOpcode::AtomicFetchAndAdd => header.status = wire::ATOMIC_FETCH_ADD,
             SendOpcode::AtomicCmpAndSwp => header.status = wire::ATOMIC_CMP_SWAP,
+            SendOpcode::AtomicWrite => header.status = wire::ATOMIC_WRITE,
             _ => {}
         }
         if req.solicited {

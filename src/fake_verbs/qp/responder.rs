@@ -231,6 +231,21 @@ impl QueuePair {
             Op::Send => {
                 self.deliver_receive(q, receive, h, body, None);
             }
+            Op::Write if h.status == wire::ATOMIC_WRITE => {
+                let operand = body
+                    .bytes_if_eager()
+                    .and_then(|b| <[u8; 8]>::try_from(b).ok());
+                let span = self
+                    .check_remote(q, &h, 8, mr::ACCESS_REMOTE_WRITE)
+                    .flatten()
+                    .filter(|s| s.addr().is_multiple_of(8));
+                let (Some(span), Some(bytes)) = (span, operand) else {
+                    self.refuse(q, &h, body, receive);
+                    return;
+                };
+                let value = u64::from_ne_bytes(bytes);
+                self.respond_in_order(q, &h, Response::AtomicWrite { span, value });
+            }
             Op::Write => {
                 let len = body.len();
                 let Some(target) = self.check_remote(q, &h, len as u64, mr::ACCESS_REMOTE_WRITE)
@@ -352,6 +367,11 @@ impl QueuePair {
 
     /// Sends the answer of a READ (the bytes, read by UCX from registered memory) or atomic.
     pub(super) fn answer(&self, q: &mut Queues, seq: u32, response: Response) {
+        if let Response::AtomicWrite { span, value } = response {
+            // Acknowledged with what landed before it; nothing to send back.
+            span.atomic_store(value);
+            return;
+        }
         let Some(peer) = &q.peer else { return };
         let (op, payload) = match response {
             Response::Read { span } => (
@@ -376,6 +396,7 @@ impl QueuePair {
                     SendPayload::Owned(old.to_le_bytes().as_slice().into()),
                 )
             }
+            Response::AtomicWrite { .. } => unreachable!("stored above"),
         };
         let header = Header::new(op, peer.qpn, self.qp_num, self.local_lid, seq);
         let endpoint = Arc::clone(&peer.endpoint);

@@ -101,6 +101,8 @@ impl QueuePair {
                 release_kept(q);
                 q.sq.clear();
                 q.rq.clear();
+                self.send_cq.discard_qp(self.qp_num);
+                self.recv_cq.discard_qp(self.qp_num);
                 q.peer = None;
                 q.next_send_seq = 0;
                 q.acked_psn = wire::PSN_MASK;
