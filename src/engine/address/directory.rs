@@ -571,9 +571,15 @@ mod tests {
         fs::write(&dead_tmp, entry(2147483646)).unwrap();
         fs::write(&live_tmp, entry(me)).unwrap();
         let other = d.claim(6, &worker(2), &PROOF).unwrap();
-        assert!(!d.group_path(gone).exists(), "entry of a dead process swept");
+        assert!(
+            !d.group_path(gone).exists(),
+            "entry of a dead process swept"
+        );
         assert!(!dead_tmp.exists(), "private file of a dead process swept");
-        assert!(d.group_path(mine.lid).exists(), "a live owner's entry stays");
+        assert!(
+            d.group_path(mine.lid).exists(),
+            "a live owner's entry stays"
+        );
         assert!(live_tmp.exists(), "a live process's private file stays");
         assert!(d.group_path(unheld_live_pid).exists(), "its pid lives");
         assert!(d.group_path(foreign).exists(), "what is not an entry stays");
@@ -582,7 +588,10 @@ mod tests {
         fs::write(d.group_path(other.lid), entry(me)).unwrap();
         let again = d.claim(6, &worker(3), &PROOF).unwrap();
         assert_eq!(again.lid, other.lid, "the first free slot again");
-        assert!(!d.group_path(again.lid).exists(), "the earlier owner's groups");
+        assert!(
+            !d.group_path(again.lid).exists(),
+            "the earlier owner's groups"
+        );
     }
 
     #[test]

@@ -355,7 +355,11 @@ impl Replays {
             self.count -= entry.remove().len();
         }
         if self.floor.is_some_and(|f| stamp.time <= f)
-            || !self.by_time.entry(stamp.time).or_default().insert(stamp.mac)
+            || !self
+                .by_time
+                .entry(stamp.time)
+                .or_default()
+                .insert(stamp.mac)
         {
             return false;
         }
@@ -393,7 +397,10 @@ mod tests {
         let secret = Secret::new(b"k", "test");
         let m = Message::new(Kind::Member, [0xff; 16], [0xfe; 16]);
         let line = m.encode(&secret);
-        assert_eq!(Message::decode(&secret, &line).map(|d| d.0), Some(m.clone()));
+        assert_eq!(
+            Message::decode(&secret, &line).map(|d| d.0),
+            Some(m.clone())
+        );
         assert_eq!(Message::decode(&Secret::new(b"other", "t"), &line), None);
         let mut tampered = line.clone();
         let i = tampered.iter().position(|b| *b == b'M').unwrap() + 1;
@@ -436,8 +443,14 @@ mod tests {
         assert_eq!(seen.count, MAX_REMEMBERED);
         assert!(seen.first_time_at(&at(now, u32::MAX), now));
         assert_eq!(seen.count, MAX_REMEMBERED / 2 + 1);
-        assert!(!seen.first_time_at(&at(now - 1, 0), now), "forgotten, refused");
-        assert!(!seen.first_time_at(&at(now - 1, u32::MAX - 1), now), "new but old");
+        assert!(
+            !seen.first_time_at(&at(now - 1, 0), now),
+            "forgotten, refused"
+        );
+        assert!(
+            !seen.first_time_at(&at(now - 1, u32::MAX - 1), now),
+            "new but old"
+        );
         assert!(!seen.first_time_at(&at(now, 1), now), "remembered");
         assert!(seen.first_time_at(&at(now, u32::MAX - 1), now));
     }
