@@ -441,11 +441,9 @@ impl Engine {
     /// [`Engine::multicast_withdraw`]), and multicast sends still in UCX's hands get a moment
     /// to leave.
     pub(super) fn multicast_shutdown(&self, locked: &LockedWorker<'_>, groups: &[[u8; 16]]) {
-        if !groups.is_empty() {
-            if let Some(d) = STATE.discovery.get().and_then(Option::as_ref) {
-                for mgid in groups {
-                    d.send_to_group(self, &Message::new(Kind::Left, *mgid, self.gid));
-                }
+        if let Some(d) = STATE.discovery.get().and_then(Option::as_ref) {
+            for mgid in groups {
+                d.send_to_group(self, &Message::new(Kind::Left, *mgid, self.gid));
             }
         }
         let until = Instant::now() + EXIT_DRAIN;

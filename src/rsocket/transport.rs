@@ -138,35 +138,6 @@ impl RemoteMap {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn map_notices_whose_ranges_overflow_are_refused() {
-        let map = |offset, addr, len| RemoteMap {
-            offset,
-            addr,
-            len,
-            rkey: 7,
-        };
-        let ok = map(4096, 0x7f00_0000_0000, 4096);
-        let back = RemoteMap::decode(&ok.encode()).expect("a sound notice");
-        assert_eq!(
-            (back.offset, back.addr, back.len, back.rkey),
-            (4096, 0x7f00_0000_0000, 4096, 7)
-        );
-        for bad in [
-            map(0, 0x1000, 0),
-            map(u64::MAX - 10, 0x1000, 100),
-            map(0, u64::MAX - 10, 100),
-        ] {
-            assert!(RemoteMap::decode(&bad.encode()).is_none(), "{bad:?}");
-        }
-        assert!(RemoteMap::decode(&ok.encode()[..27]).is_none(), "short");
-    }
-}
-
 /// The most `riomap`ped ranges of the peer kept (its notices beyond are ignored: a peer must
 /// not grow this process's memory without bound).
 const MAX_REMOTE_MAPS: usize = 1024;
@@ -616,5 +587,34 @@ impl Conn {
         // Only ugdr holds these keys: no memory window can be bound to the region.
         let _ = self.credit_mr.deregister();
         self.cq.destroy();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_notices_whose_ranges_overflow_are_refused() {
+        let map = |offset, addr, len| RemoteMap {
+            offset,
+            addr,
+            len,
+            rkey: 7,
+        };
+        let ok = map(4096, 0x7f00_0000_0000, 4096);
+        let back = RemoteMap::decode(&ok.encode()).expect("a sound notice");
+        assert_eq!(
+            (back.offset, back.addr, back.len, back.rkey),
+            (4096, 0x7f00_0000_0000, 4096, 7)
+        );
+        for bad in [
+            map(0, 0x1000, 0),
+            map(u64::MAX - 10, 0x1000, 100),
+            map(0, u64::MAX - 10, 100),
+        ] {
+            assert!(RemoteMap::decode(&bad.encode()).is_none(), "{bad:?}");
+        }
+        assert!(RemoteMap::decode(&ok.encode()[..27]).is_none(), "short");
     }
 }
