@@ -232,6 +232,20 @@ fn group_address(tag: u16) -> SocketAddrV4 {
     SocketAddrV4::new(ip_group(&group_gid(tag)), DEFAULT_QUERY_PORT)
 }
 
+/// Waits (up to 30 s) for the first question about group `tag` that `socket` hears.
+fn first_question(socket: &UdpSocket, tag: u16) -> (Message, SocketAddr) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < until {
+        if let Some((m, _, from)) = receive(socket)
+            && m.kind == Kind::Question
+            && m.mgid == group_gid(tag)
+        {
+            return (m, from);
+        }
+    }
+    panic!("no question about group {tag}");
+}
+
 /// A discovery message `socket` received, authentic, with its source.
 fn receive(socket: &UdpSocket) -> Option<(Message, Vec<u8>, SocketAddr)> {
     let mut buf = [0u8; 512];
@@ -249,11 +263,13 @@ fn a_captured_discovery_message_played_back_changes_nothing() {
     // A listener on host B's link, as anyone there could run (this one knows nothing secret:
     // the secret only reads what it captured).
     let tap = discovery_socket(&ns.b, TAG, ADDR_B);
-    // The sender is interested in the group (its address handle) long before it sends.
+    let host_a = discovery_socket(&ns.a, TAG, ADDR_A);
+    // The sender is interested in the group (its address handle) long before it sends; it
+    // has joined the group's discovery address once it asks.
     let mut sender = ns.command(&ns.b, exe, &["send", "5", &TAG.to_string(), "3000"]);
     sender.env("UGDR_SECRET", TEST_SECRET);
     let sender = Guarded::spawn(sender, "multicast sender");
-    std::thread::sleep(Duration::from_millis(700));
+    first_question(&host_a, TAG);
     // The receiver attaches, leaves and attaches again: it announced, left and announced.
     let mut receiver = ns.command(&ns.a, exe, &["recv", "5", &TAG.to_string(), "rejoin"]);
     receiver.env("UGDR_SECRET", TEST_SECRET);
@@ -302,7 +318,7 @@ fn a_captured_discovery_message_played_back_changes_nothing() {
 fn fake_lookup_service(
     ns: &str,
     hang: &'static [u16],
-    run_for: Duration,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> std::thread::JoinHandle<Vec<(u16, Instant)>> {
     let listener = in_netns(ns, || {
         TcpListener::bind((Ipv4Addr::UNSPECIFIED, DEFAULT_QUERY_PORT)).expect("lookup port")
@@ -312,8 +328,7 @@ fn fake_lookup_service(
         use std::io::Read;
         let mut asked = Vec::new();
         let mut held = Vec::new();
-        let stop = Instant::now() + run_for;
-        while Instant::now() < stop {
+        while !stop.load(std::sync::atomic::Ordering::Acquire) {
             let Ok((mut c, _)) = listener.accept() else {
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
@@ -351,7 +366,8 @@ fn members_whose_lookup_fails_back_off_and_never_stall_discovery() {
     let ns = NetnsPair::new("l");
     let exe = ns.stage(&build_c("multicast", &["-libverbs"]));
     let exe = exe.to_str().expect("utf-8 path");
-    let lookups = fake_lookup_service(&ns.a, HANGING, WINDOW + Duration::from_secs(1));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lookups = fake_lookup_service(&ns.a, HANGING, std::sync::Arc::clone(&stop));
     let member = discovery_socket(&ns.a, TAG, ADDR_A);
     let mut sender = ns.command(&ns.b, exe, &["send", "1", &TAG.to_string(), "8000"]);
     sender.env("UGDR_SECRET", TEST_SECRET);
@@ -359,13 +375,16 @@ fn members_whose_lookup_fails_back_off_and_never_stall_discovery() {
     let (mgid, s) = (group_gid(TAG), secret());
     let gid = |lid| port_gid(ADDR_A.parse().unwrap(), lid);
     let mut questions = Vec::new();
+    // From the sender's first question on (it has joined the group's address then).
+    let mut question = Some(first_question(&member, TAG));
     let start = Instant::now();
     let mut next_announce = start;
     while start.elapsed() < WINDOW {
-        if let Some((m, _, from)) = receive(&member)
-            && m.kind == Kind::Question
-            && m.mgid == mgid
-        {
+        if let Some((m, from)) = question.take().or_else(|| {
+            receive(&member)
+                .filter(|(m, ..)| m.kind == Kind::Question && m.mgid == mgid)
+                .map(|(m, _, from)| (m, from))
+        }) {
             questions.push(Instant::now());
             for lid in HANGING.iter().chain([&FAILING]) {
                 let answer = Message {
@@ -385,6 +404,7 @@ fn members_whose_lookup_fails_back_off_and_never_stall_discovery() {
                 .unwrap();
         }
     }
+    stop.store(true, std::sync::atomic::Ordering::Release);
     let asked = lookups.join().unwrap();
     let count = |lid: u16| asked.iter().filter(|(l, _)| *l == lid).count();
     let counts: Vec<(u16, usize)> = HANGING
