@@ -574,3 +574,185 @@ fn qp_numbers_are_not_derived_from_the_pid_nor_consecutive() {
     unique.dedup();
     assert_eq!(unique.len(), numbers.len(), "{numbers:x?}");
 }
+
+/// The QP number the hostile peer process claims to answer from.
+const HOSTILE_QPN: u32 = 0x00ab_cdef;
+
+/// Not a test: the body of a hostile peer process that other tests start (this test binary
+/// run again with `--ignored --exact hostile_peer_process`). It runs ugdr's engine itself (it
+/// knows the user's secret, so its endpoints authenticate) and sends what a ugdr peer never
+/// sends, as told on stdin:
+///   `connect LID QPN`           opens an endpoint to port LID's process, for QP QPN
+///   `response PSN LEN`          a READ response of LEN bytes of 0xab with PSN PSN, as
+///                               QP [`HOSTILE_QPN`] of its own port
+/// Prints `hostile lid=L` at start and `ok` after each command.
+#[test]
+#[ignore = "the hostile peer process of other tests"]
+fn hostile_peer_process() {
+    use ugdr::engine::Engine;
+    use ugdr::engine::wire::{AM_ID, Header, Op};
+    use ugdr::ucp::{OwnedBytes, SendPayload};
+    let engine = Engine::get().expect("the engine");
+    println!("hostile lid={}", engine.lid);
+    let mut peer = None;
+    let mut qpn = 0;
+    for line in std::io::stdin().lines().map_while(Result::ok) {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> u64 { w[i].parse().expect("a number") };
+        match w[0] {
+            "connect" => {
+                let resolved = engine.resolve(num(1) as u16, None).expect("resolve");
+                qpn = num(2) as u32;
+                let locked = engine.worker.lock();
+                peer = Some(engine.connect(&locked, &resolved, qpn).expect("connect"));
+            }
+            "response" => {
+                let peer = peer.as_ref().expect("connected first");
+                let h = Header::new(
+                    Op::ReadResponse,
+                    qpn,
+                    HOSTILE_QPN,
+                    engine.lid,
+                    num(1) as u32,
+                );
+                let sent = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let done = Arc::clone(&sent);
+                let locked = engine.worker.lock();
+                let payload = SendPayload::Owned(OwnedBytes::from_elem(0xab, num(2) as usize));
+                peer.endpoint
+                    .am_send(&locked, AM_ID, &h.encode(), payload, move |_, _| {
+                        done.store(true, std::sync::atomic::Ordering::Release)
+                    })
+                    .expect("am_send");
+                let until = Instant::now() + Duration::from_secs(10);
+                while !sent.load(std::sync::atomic::Ordering::Acquire) && Instant::now() < until {
+                    locked.progress();
+                }
+            }
+            other => panic!("unknown command {other}"),
+        }
+        println!("ok");
+    }
+}
+
+/// The hostile peer process ([`hostile_peer_process`]): its LID and its command channel.
+struct Hostile {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    lid: u16,
+}
+
+impl Hostile {
+    fn start() -> Hostile {
+        let mut cmd = Command::new(std::env::current_exe().expect("this test binary"));
+        cmd.args([
+            "--ignored",
+            "--exact",
+            "hostile_peer_process",
+            "--nocapture",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .process_group(0);
+        let mut child = cmd.spawn().expect("the hostile peer");
+        let stdin = child.stdin.take().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut h = Hostile {
+            child,
+            stdin,
+            lines,
+            lid: 0,
+        };
+        let ready = h.wait_for("hostile lid=");
+        h.lid = field(&ready, "lid");
+        h
+    }
+
+    fn wait_for(&mut self, prefix: &str) -> String {
+        loop {
+            match self.lines.recv_timeout(Duration::from_secs(30)) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("hostile peer: no {prefix:?}: {e}"),
+            }
+        }
+    }
+
+    fn cmd(&mut self, command: &str) {
+        writeln!(self.stdin, "{command}").expect("hostile peer stdin");
+        self.wait_for("ok");
+    }
+}
+
+impl Drop for Hostile {
+    fn drop(&mut self) {
+        // SAFETY: killpg has no memory preconditions; the child leads its own group.
+        unsafe { libc::killpg(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_read_response_longer_than_the_read_is_a_bad_response_and_writes_nothing() {
+    const WC_BAD_RESP_ERR: u32 = 7;
+    const WC_OP_RDMA_READ: u32 = 2;
+    let mut victim = QpPeer::local("victim", 0x11);
+    let mut hostile = Hostile::start();
+    victim.connect(hostile.lid, HOSTILE_QPN, 0, 100, 7, 7);
+    hostile.cmd(&format!("connect {} {}", victim.lid, victim.qpn));
+    // An 8-byte READ, answered (with its PSN, from the connected peer) by 4 KiB.
+    victim.cmd("read 1 1234 4096 8");
+    hostile.cmd("response 100 4096");
+    let got = victim.poll(1, Duration::from_secs(10));
+    let expected = Wc {
+        wr_id: 1,
+        status: WC_BAD_RESP_ERR,
+        opcode: WC_OP_RDMA_READ,
+        byte_len: 0,
+        qp_num: victim.qpn,
+        src_qp: 0,
+        slid: 0,
+    };
+    assert_eq!(got, [expected], "{}", victim.stderr());
+    assert_eq!(
+        victim.uniform_bytes(RECV_HALF, 4096),
+        Some(0x11),
+        "the victim's memory"
+    );
+    assert_eq!(victim.cmd("state"), ["state 6"], "the QP is in ERR");
+    // The same with 4 MiB, which UCX carries by rendezvous: fetching it into the 8 bytes
+    // asked for, UCX would abort the victim ("rx buffer too small").
+    let answer = victim.cmd("qpns 1");
+    let second: u32 = answer[0]
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    victim.use_qp(1);
+    victim.connect(hostile.lid, HOSTILE_QPN, 0, 200, 7, 7);
+    hostile.cmd(&format!("connect {} {second}", victim.lid));
+    victim.cmd("read 2 1234 4096 8");
+    hostile.cmd("response 200 4194304");
+    let got = victim.poll(1, Duration::from_secs(10));
+    let expected = Wc {
+        wr_id: 2,
+        qp_num: second,
+        ..expected
+    };
+    assert_eq!(got, [expected], "{}", victim.stderr());
+    assert_eq!(
+        victim.uniform_bytes(RECV_HALF, 4096),
+        Some(0x11),
+        "the victim's memory"
+    );
+}

@@ -439,7 +439,12 @@ impl PeerMemory {
         }
         let fd = mr.backing_fd.load(Ordering::Relaxed);
         let ino = mr.backing_ino.load(Ordering::Relaxed);
-        let offset = mr.backing_offset.load(Ordering::Relaxed) + (remote_addr - iova);
+        // The peer's table is the peer's word: an offset past u64 is refused, not wrapped.
+        let offset = mr
+            .backing_offset
+            .load(Ordering::Relaxed)
+            .checked_add(remote_addr - iova)
+            .ok_or(Refused::NotPublished)?;
         let backing = self.backing(fd, ino)?;
         let copied = if write {
             backing.write(offset, spans)

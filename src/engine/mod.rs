@@ -192,13 +192,15 @@ impl Engine {
         if self.stopping.swap(true, Ordering::AcqRel) {
             return;
         }
+        // The multicast entry goes before the LID (the LID's next owner must not lose its own).
+        let groups = self.multicast_withdraw();
         self.directory.release(&self.claim);
 
         {
             // What a HCA would still do for this process: acknowledge what it delivered.
             let locked = self.worker.lock();
             self.flush_owed_acks(&locked);
-            self.multicast_shutdown(&locked);
+            self.multicast_shutdown(&locked, &groups);
             let until = std::time::Instant::now() + EXIT_DRAIN;
             while locked.progress() > 0 || std::time::Instant::now() < until {
                 if std::time::Instant::now() >= until {

@@ -14,7 +14,12 @@
 //!   this host come from the directory (re-read when it changed), members on other hosts
 //!   from the discovery thread, which asks the group's IPv4 multicast address at the first
 //!   send interest ([`Engine::multicast_interest`], at `ibv_create_ah` and at an rdma_cm
-//!   join), every [`REFRESH`] after, and hears members announce and leave.
+//!   join), every [`REFRESH`] after, and hears members announce and leave. A discovery
+//!   message is taken once (a replay is dropped), and a leave no newer than the member's
+//!   latest answer is stale. A new member's worker address is looked up by a thread of its
+//!   own (at most [`MAX_LOOKUPS`] at once), never by the discovery thread; a member whose
+//!   lookup failed is not asked for again before a back-off that doubles with each failure
+//!   ([`LOOKUP_BACKOFF`] up to [`MAX_LOOKUP_BACKOFF`]), however often it answers.
 //! * *Receiving*: the member process hands the datagram to each of its QPs attached to the
 //!   group at that moment (detaching stops delivery at once, whatever senders still believe).
 //!
@@ -25,6 +30,7 @@ use super::address::multicast::{self as directory_groups, Kind, Message};
 use super::address::{Resolved, parse_gid};
 use super::{Engine, wire};
 use crate::ucp::{AmPayload, AppSpan, LockedWorker, SendPayload, SendState};
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -55,6 +61,13 @@ const FORGET: Duration = Duration::from_millis(3500);
 const FIRST_ANSWERS: Duration = Duration::from_millis(300);
 /// How long an exiting process waits for its multicast sends to leave.
 const EXIT_DRAIN: Duration = Duration::from_secs(1);
+/// How many member lookups run at once (each a thread; a lookup may take
+/// `address::lookup::QUERY_TIMEOUT`).
+pub const MAX_LOOKUPS: usize = 4;
+/// How long a member whose lookup failed is not looked up again, the first time.
+pub const LOOKUP_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest back-off after failed lookups.
+pub const MAX_LOOKUP_BACKOFF: Duration = Duration::from_secs(30);
 
 /// A multicast GID (IBA 4.1.1: the first byte is 0xFF).
 pub fn is_multicast_gid(gid: &[u8; 16]) -> bool {
@@ -96,6 +109,8 @@ struct Multicast {
     no_loopback: Mutex<HashSet<u32>>,
     /// Member messages UCX has not finished sending.
     in_flight: Arc<AtomicUsize>,
+    /// Member lookups running.
+    lookups: AtomicUsize,
     discovery: OnceLock<Option<Discovery>>,
 }
 
@@ -112,10 +127,39 @@ type Members = HashMap<[u8; 16], Member>;
 
 struct Member {
     seen: Instant,
+    /// The time (its sender's clock) of its latest announcement or answer: a leave older
+    /// than that is stale.
+    announced: u64,
     resolved: Option<Resolved>,
-    /// When its worker address was looked up (again after [`FORGET`]: the GID's LID may
-    /// have passed to another process, one that crashed announces nothing).
-    resolved_at: Instant,
+    /// When its worker address may be looked up (again): [`FORGET`] after it was found
+    /// (the GID's LID may have passed to another process, one that crashed announces
+    /// nothing), a back-off after a failure.
+    lookup_after: Instant,
+    /// Lookups failed in a row.
+    failures: u32,
+    /// A lookup thread is asking for it.
+    looking_up: bool,
+}
+
+impl Member {
+    fn new(announced: u64) -> Member {
+        let now = Instant::now();
+        Member {
+            seen: now,
+            announced,
+            resolved: None,
+            lookup_after: now,
+            failures: 0,
+            looking_up: false,
+        }
+    }
+
+    /// The back-off after the `failures`-th failed lookup in a row.
+    fn backoff(failures: u32) -> Duration {
+        LOOKUP_BACKOFF
+            .saturating_mul(1 << failures.saturating_sub(1).min(16))
+            .min(MAX_LOOKUP_BACKOFF)
+    }
 }
 
 /// The discovery sockets: one on `UGDR_PORT` joined to the groups' IPv4 addresses (shared by
@@ -151,6 +195,10 @@ impl Engine {
         }
         qps.push(qpn);
         if new_group {
+            if self.stopping.load(Ordering::Acquire) {
+                // The entry was withdrawn with the LID (`multicast_withdraw`).
+                return Ok(());
+            }
             self.publish_groups(&attached);
             drop(attached);
             if let Some(d) = self.discovery() {
@@ -173,6 +221,9 @@ impl Engine {
         qps.remove(i);
         if qps.is_empty() {
             attached.remove(mgid);
+            if self.stopping.load(Ordering::Acquire) {
+                return true;
+            }
             self.publish_groups(&attached);
             drop(attached);
             if let Some(d) = self.discovery() {
@@ -373,21 +424,26 @@ impl Engine {
         }
     }
 
-    /// At exit: the groups are withdrawn and left, and multicast sends still in UCX's hands
-    /// get a moment to leave.
-    pub(super) fn multicast_shutdown(&self, locked: &LockedWorker<'_>) {
-        let groups: Vec<[u8; 16]> = {
-            let mut attached = lock(&STATE.attached);
-            let groups = attached.keys().copied().collect();
-            attached.clear();
-            groups
-        };
+    /// At exit, before the LID is released (whoever claims it next must not find this
+    /// process's entry, nor have its own removed by this process): the groups are left and
+    /// the entry removed; nothing is published after (`stopping` is set).
+    pub(super) fn multicast_withdraw(&self) -> Vec<[u8; 16]> {
+        let mut attached = lock(&STATE.attached);
+        let groups: Vec<[u8; 16]> = attached.keys().copied().collect();
+        attached.clear();
         if !groups.is_empty() {
-            self.publish_groups(&HashMap::new());
-            if let Some(d) = STATE.discovery.get().and_then(Option::as_ref) {
-                for mgid in &groups {
-                    d.send_to_group(self, &Message::new(Kind::Left, *mgid, self.gid));
-                }
+            self.publish_groups(&attached);
+        }
+        groups
+    }
+
+    /// At exit: other hosts hear that this process left `groups` (from
+    /// [`Engine::multicast_withdraw`]), and multicast sends still in UCX's hands get a moment
+    /// to leave.
+    pub(super) fn multicast_shutdown(&self, locked: &LockedWorker<'_>, groups: &[[u8; 16]]) {
+        if let Some(d) = STATE.discovery.get().and_then(Option::as_ref) {
+            for mgid in groups {
+                d.send_to_group(self, &Message::new(Kind::Left, *mgid, self.gid));
             }
         }
         let until = Instant::now() + EXIT_DRAIN;
@@ -497,6 +553,7 @@ impl Discovery {
 fn discovery_loop() {
     let mut next_refresh = Instant::now() + REFRESH;
     let mut buf = [0u8; directory_groups::MAX_MESSAGE + 1];
+    let mut replays = directory_groups::Replays::default();
     // Started while the sockets are being published.
     let d = loop {
         match STATE.discovery.get() {
@@ -523,7 +580,12 @@ fn discovery_loop() {
                     break;
                 };
                 match Message::decode(engine.gate.secret(), &buf[..n]) {
-                    Some(m) => heard(engine, d, m, from),
+                    Some((m, stamp)) if replays.first_time(&stamp) => {
+                        heard(engine, d, m, stamp.time, from)
+                    }
+                    Some(_) => {
+                        tracing::debug!("multicast: dropped a replayed message from {from}")
+                    }
                     None => tracing::debug!("multicast: dropped a discovery message from {from}"),
                 }
             }
@@ -544,7 +606,8 @@ fn discovery_loop() {
     }
 }
 
-fn heard(engine: &Engine, d: &Discovery, m: Message, from: SocketAddr) {
+/// A discovery message sent at `time` (by its sender's clock).
+fn heard(engine: &'static Engine, d: &Discovery, m: Message, time: u64, from: SocketAddr) {
     let Some((ip, lid)) = parse_gid(&m.gid) else {
         return;
     };
@@ -566,51 +629,86 @@ fn heard(engine: &Engine, d: &Discovery, m: Message, from: SocketAddr) {
             }
         }
         Kind::Left => {
-            if let Some(members) = lock(&STATE.remote).get_mut(&m.mgid) {
+            if let Some(members) = lock(&STATE.remote).get_mut(&m.mgid)
+                && members.get(&m.gid).is_some_and(|mb| time >= mb.announced)
+            {
                 members.remove(&m.gid);
             }
         }
         Kind::Member => {
-            let known = {
+            {
                 let mut remote = lock(&STATE.remote);
                 let Some(members) = remote.get_mut(&m.mgid) else {
                     return;
                 };
-                if let Some(member) = members.get_mut(&m.gid) {
-                    member.seen = Instant::now();
-                    member.resolved.is_some() && member.resolved_at.elapsed() < FORGET
-                } else if members.len() >= MAX_REMOTE_MEMBERS {
-                    tracing::debug!("multicast: group full, ignoring lid {lid:#06x} at {ip}");
+                let full = members.len() >= MAX_REMOTE_MEMBERS;
+                let member = match members.entry(m.gid) {
+                    Entry::Occupied(e) => e.into_mut(),
+                    Entry::Vacant(_) if full => {
+                        tracing::debug!("multicast: group full, ignoring lid {lid:#06x} at {ip}");
+                        return;
+                    }
+                    Entry::Vacant(e) => e.insert(Member::new(time)),
+                };
+                member.seen = Instant::now();
+                member.announced = member.announced.max(time);
+                if member.looking_up || Instant::now() < member.lookup_after {
                     return;
-                } else {
-                    false
                 }
-            };
-            if known {
-                return;
-            }
-            // A new member: its worker address through the authenticated lookup, and an
-            // endpoint opened now rather than at the first datagram.
-            let Ok(resolved) = engine.resolve(lid, Some(&m.gid)) else {
-                return;
-            };
-            {
-                let locked = engine.worker.lock();
-                if let Err(e) = engine.connect(&locked, &resolved, MULTICAST_QPN) {
-                    tracing::debug!("multicast: lid {lid:#06x} at {ip}: {e}");
+                if STATE.lookups.fetch_add(1, Ordering::AcqRel) >= MAX_LOOKUPS {
+                    // Asked again at its next answer.
+                    STATE.lookups.fetch_sub(1, Ordering::AcqRel);
+                    return;
                 }
+                member.looking_up = true;
             }
-            tracing::debug!("multicast: lid {lid:#06x} at {ip} is a member");
-            if let Some(members) = lock(&STATE.remote).get_mut(&m.mgid) {
-                members.insert(
-                    m.gid,
-                    Member {
-                        seen: Instant::now(),
-                        resolved: Some(resolved),
-                        resolved_at: Instant::now(),
-                    },
-                );
+            let (mgid, gid) = (m.mgid, m.gid);
+            let spawned = std::thread::Builder::new()
+                .name("ugdr-mcast-lookup".into())
+                .spawn(move || look_up_member(engine, mgid, gid, lid, ip));
+            if let Err(e) = spawned {
+                tracing::debug!("multicast: no thread to look lid {lid:#06x} up: {e}");
+                lookup_done(&mgid, &gid, None);
             }
         }
     }
+}
+
+/// A lookup thread: a member's worker address through the authenticated lookup, and an
+/// endpoint opened now rather than at the first datagram.
+fn look_up_member(engine: &Engine, mgid: [u8; 16], gid: [u8; 16], lid: u16, ip: Ipv4Addr) {
+    let resolved = engine.resolve(lid, Some(&gid)).ok();
+    if let Some(r) = &resolved {
+        let locked = engine.worker.lock();
+        if let Err(e) = engine.connect(&locked, r, MULTICAST_QPN) {
+            tracing::debug!("multicast: lid {lid:#06x} at {ip}: {e}");
+        }
+        tracing::debug!("multicast: lid {lid:#06x} at {ip} is a member");
+    } else {
+        tracing::debug!("multicast: lid {lid:#06x} at {ip}: lookup failed");
+    }
+    lookup_done(&mgid, &gid, resolved);
+}
+
+/// A member's lookup ended (`resolved`: found).
+fn lookup_done(mgid: &[u8; 16], gid: &[u8; 16], resolved: Option<Resolved>) {
+    if let Some(member) = lock(&STATE.remote)
+        .get_mut(mgid)
+        .and_then(|members| members.get_mut(gid))
+    {
+        member.looking_up = false;
+        match resolved {
+            Some(r) => {
+                member.resolved = Some(r);
+                member.failures = 0;
+                member.lookup_after = Instant::now() + FORGET;
+            }
+            None => {
+                // What was found before stays in use until the member is forgotten.
+                member.failures = member.failures.saturating_add(1);
+                member.lookup_after = Instant::now() + Member::backoff(member.failures);
+            }
+        }
+    }
+    STATE.lookups.fetch_sub(1, Ordering::AcqRel);
 }

@@ -123,7 +123,8 @@ impl RemoteMap {
         b
     }
 
-    /// A notice from the peer: refused unless its range is non-empty and ends within u64.
+    /// A notice from the peer: refused unless its range is non-empty and ends within u64, in
+    /// rsocket offsets and in the peer's addresses (`riowrite` adds to both).
     fn decode(b: &[u8]) -> Option<RemoteMap> {
         let u64_at = |i: usize| Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
         let map = RemoteMap {
@@ -132,7 +133,8 @@ impl RemoteMap {
             len: u64_at(16)?,
             rkey: u32::from_le_bytes(b.get(24..28)?.try_into().ok()?),
         };
-        (map.len > 0 && map.offset.checked_add(map.len).is_some()).then_some(map)
+        let ends = |start: u64| start.checked_add(map.len).is_some();
+        (map.len > 0 && ends(map.offset) && ends(map.addr)).then_some(map)
     }
 }
 
@@ -585,5 +587,34 @@ impl Conn {
         // Only ugdr holds these keys: no memory window can be bound to the region.
         let _ = self.credit_mr.deregister();
         self.cq.destroy();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_notices_whose_ranges_overflow_are_refused() {
+        let map = |offset, addr, len| RemoteMap {
+            offset,
+            addr,
+            len,
+            rkey: 7,
+        };
+        let ok = map(4096, 0x7f00_0000_0000, 4096);
+        let back = RemoteMap::decode(&ok.encode()).expect("a sound notice");
+        assert_eq!(
+            (back.offset, back.addr, back.len, back.rkey),
+            (4096, 0x7f00_0000_0000, 4096, 7)
+        );
+        for bad in [
+            map(0, 0x1000, 0),
+            map(u64::MAX - 10, 0x1000, 100),
+            map(0, u64::MAX - 10, 100),
+        ] {
+            assert!(RemoteMap::decode(&bad.encode()).is_none(), "{bad:?}");
+        }
+        assert!(RemoteMap::decode(&ok.encode()[..27]).is_none(), "short");
     }
 }

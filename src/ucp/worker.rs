@@ -447,6 +447,8 @@ impl<'w> LockedWorker<'w> {
     /// Fetches a rendezvous message into `dest` with `ucp_am_recv_data_nbx`. `Ok(true)`: the
     /// data is in place already and `done` is not called; `Ok(false)`: `done` runs from
     /// progress (under the lock) once it is. May be called from the message's own handler.
+    /// `dest` must hold `data.len()` bytes, a length the sender chose: UCX aborts the process
+    /// (an assertion in ucp_am.c) when the buffer is smaller, so callers check it first.
     pub fn receive_rendezvous(
         &self,
         data: AmData,

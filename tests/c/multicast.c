@@ -3,9 +3,12 @@
  *                             QP and to no other, every WC field and the GRH, the sender's
  *                             own QP only when attached, Q_Key mismatch, detach stops delivery,
  *                             an attached QP cannot be destroyed
- *   multicast recv N TAG      attaches one QP to the group TAG, prints "ready", then takes N
+ *   multicast recv N TAG [rejoin]
+ *                             attaches one QP to the group TAG (with "rejoin": attaches,
+ *                             detaches and attaches again), prints "ready", then takes N
  *                             datagrams from another process and checks each
- *   multicast send N TAG      sends N datagrams to the group TAG
+ *   multicast send N TAG [MS] sends N datagrams to the group TAG (MS milliseconds after it
+ *                             made its address handle)
  * Prints "multicast: ok" on success. */
 #include "verbs_test.h"
 #include <arpa/inet.h>
@@ -241,23 +244,32 @@ static void say(const char *line)
 int main(int argc, char **argv)
 {
     open_device();
-    if (argc == 4 && strcmp(argv[1], "recv") == 0) {
+    if ((argc == 4 || argc == 5) && strcmp(argv[1], "recv") == 0) {
         int count = atoi(argv[2]), tag = atoi(argv[3]);
         struct ud r = ud_qp(QKEY);
         union ibv_gid mgid = group_gid(tag);
         for (int i = 0; i < 6; i++)
             post_recv(&r, i);
         CHECK(ibv_attach_mcast(r.qp, &mgid, group_lid(tag)) == 0, "attach");
+        if (argc == 5 && strcmp(argv[4], "rejoin") == 0) {
+            CHECK(ibv_detach_mcast(r.qp, &mgid, group_lid(tag)) == 0, "detach to rejoin");
+            CHECK(ibv_attach_mcast(r.qp, &mgid, group_lid(tag)) == 0, "attach again");
+        }
         say("ready\n");
         for (int i = 0; i < count; i++) {
             expect(&r, tag, (char)('A' + i), 0, 0);
             post_recv(&r, (int)(i % 6));
         }
         CHECK(ibv_detach_mcast(r.qp, &mgid, group_lid(tag)) == 0, "detach");
-    } else if (argc == 4 && strcmp(argv[1], "send") == 0) {
+    } else if ((argc == 4 || argc == 5) && strcmp(argv[1], "send") == 0) {
         int count = atoi(argv[2]), tag = atoi(argv[3]);
         struct ud s = ud_qp(QKEY);
         struct ibv_ah *ah = group_ah(tag);
+        if (argc == 5) {
+            long ms = atol(argv[4]);
+            struct timespec t = { ms / 1000, (ms % 1000) * 1000000 };
+            nanosleep(&t, NULL);
+        }
         for (int i = 0; i < count; i++) {
             send_to(&s, ah, (char)('A' + i), QKEY);
             struct timespec t = { 0, 20000000 };

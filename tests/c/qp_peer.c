@@ -13,6 +13,7 @@
  *   send WR_ID LEN COUNT          COUNT signaled SENDs of LEN bytes, message i from slot i of
  *                                 the send half, its first 4 bytes set to i
  *   write WR_ID RKEY RADDR LEN    a signaled RDMA WRITE of LEN bytes from the send half
+ *   read WR_ID RKEY RADDR LEN     a signaled RDMA READ of LEN bytes into the receive half
  *   poll N MS                     up to N completions within MS ms: "wc ..." lines, then
  *                                 "polled K"
  *   drain N MS                    up to N completions within MS ms: "first ..." (the first
@@ -217,10 +218,11 @@ int main(int argc, char **argv)
             post_recvs(a, (uint32_t)b, (int)c);
         } else if (!strcmp(cmd, "send")) {
             post_sends(a, (uint32_t)b, (int)c);
-        } else if (!strcmp(cmd, "write")) {
-            struct ibv_sge sge = { (uintptr_t)(buf + SEND_HALF), (uint32_t)d, mr->lkey };
+        } else if (!strcmp(cmd, "write") || !strcmp(cmd, "read")) {
+            int read = !strcmp(cmd, "read");
+            struct ibv_sge sge = { (uintptr_t)(buf + (read ? RECV_HALF : SEND_HALF)), (uint32_t)d, mr->lkey };
             struct ibv_send_wr wr = { .wr_id = a, .sg_list = &sge, .num_sge = 1,
-                                      .opcode = IBV_WR_RDMA_WRITE,
+                                      .opcode = read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE,
                                       .send_flags = IBV_SEND_SIGNALED }, *bad;
             wr.wr.rdma.rkey = (uint32_t)b;
             wr.wr.rdma.remote_addr = c;

@@ -16,7 +16,12 @@
 //! files) of processes that no longer exist, then publishes the new entry atomically (written
 //! to a private `.claim-<pid>` file, then hard-linked under its `lid-XXXX` name, which fails
 //! if the name exists). Lookups take no lock: an entry is complete or absent.
+//!
+//! The sweep also takes the multicast entries (`mcast-XXXX`, `address::multicast`) of
+//! processes that are gone, and a claim of a LID removes the `mcast-XXXX` an earlier owner
+//! of that LID left.
 
+use super::multicast::{PREFIX as GROUP_PREFIX, TMP_PREFIX as GROUP_TMP_PREFIX};
 use super::{MAX_WORKER_ADDRESS, check_worker_address, hex_decode, hex_encode};
 use nix::fcntl::{Flock, FlockArg};
 use std::fs::{self, File, OpenOptions, Permissions};
@@ -230,6 +235,11 @@ impl Directory {
             .map_err(|e| self.io_error(e))
             .and_then(|()| self.link_free_slot(&tmp, host_tag, pid));
         let _ = fs::remove_file(&tmp);
+        if let Ok(claim) = &result {
+            // Groups an earlier owner of the LID published are not this process's; only the
+            // LID's owner writes there, and this process publishes nothing before it returns.
+            let _ = fs::remove_file(self.group_path(claim.lid));
+        }
         result
     }
 
@@ -265,11 +275,21 @@ impl Directory {
         for name in names.filter_map(|n| n.ok()).map(|n| n.file_name()) {
             let Some(name) = name.to_str() else { continue };
             let path = self.dir.join(name);
+            let pid_gone = |rest: &str| {
+                let pid = rest.split('-').next().and_then(|p| p.parse().ok());
+                pid.is_some_and(|pid| !pid_alive(pid))
+            };
             let dead = if name.starts_with(LID_PREFIX) {
                 read_entry(&path) == Entry::Dead
             } else if let Some(rest) = name.strip_prefix(CLAIM_PREFIX) {
-                let pid = rest.split('-').next().and_then(|p| p.parse().ok());
-                pid.is_some_and(|pid| !pid_alive(pid))
+                pid_gone(rest)
+            } else if let Some(rest) = name.strip_prefix(GROUP_TMP_PREFIX) {
+                pid_gone(rest)
+            } else if let Some(hex) = name.strip_prefix(GROUP_PREFIX) {
+                let lid = Some(hex)
+                    .filter(|h| h.len() == 4)
+                    .and_then(|h| u16::from_str_radix(h, 16).ok());
+                lid.is_some_and(|lid| self.group_entry_stale(lid))
             } else {
                 false
             };
@@ -529,6 +549,49 @@ mod tests {
         assert!(!dead_claim.exists(), "dead claim file swept");
         assert_eq!(d.lookup(live), published(me, vec![0x01, 0x20]));
         assert!(d.lid_path(foreign).exists(), "what is not an entry stays");
+    }
+
+    #[test]
+    fn claiming_sweeps_multicast_entries_only_of_processes_that_are_gone() {
+        let s = Scratch::new("sweep-mcast");
+        let d = Directory::open_at(s.0.clone()).unwrap();
+        let me = std::process::id();
+        let entry = |pid: u32| format!("ugdr-mcast1 {pid} ff00 abcd\n");
+        let mine = d.claim(6, &worker(1), &PROOF).unwrap();
+        let gone = (6u16 << 8) | 200;
+        let unheld_live_pid = (6u16 << 8) | 201;
+        let foreign = (6u16 << 8) | 202;
+        fs::write(d.group_path(mine.lid), entry(me)).unwrap();
+        fs::write(d.group_path(gone), entry(2147483646)).unwrap();
+        fs::write(d.lid_path(gone), "ugdr2 2147483646 0120 abcd\n").unwrap();
+        fs::write(d.group_path(unheld_live_pid), entry(me)).unwrap();
+        fs::write(d.group_path(foreign), "not an entry\n").unwrap();
+        let dead_tmp = s.0.join(format!("{GROUP_TMP_PREFIX}2147483646"));
+        let live_tmp = s.0.join(format!("{GROUP_TMP_PREFIX}{me}"));
+        fs::write(&dead_tmp, entry(2147483646)).unwrap();
+        fs::write(&live_tmp, entry(me)).unwrap();
+        let other = d.claim(6, &worker(2), &PROOF).unwrap();
+        assert!(
+            !d.group_path(gone).exists(),
+            "entry of a dead process swept"
+        );
+        assert!(!dead_tmp.exists(), "private file of a dead process swept");
+        assert!(
+            d.group_path(mine.lid).exists(),
+            "a live owner's entry stays"
+        );
+        assert!(live_tmp.exists(), "a live process's private file stays");
+        assert!(d.group_path(unheld_live_pid).exists(), "its pid lives");
+        assert!(d.group_path(foreign).exists(), "what is not an entry stays");
+        // A LID claimed anew starts without its earlier owner's groups.
+        d.release(&other);
+        fs::write(d.group_path(other.lid), entry(me)).unwrap();
+        let again = d.claim(6, &worker(3), &PROOF).unwrap();
+        assert_eq!(again.lid, other.lid, "the first free slot again");
+        assert!(
+            !d.group_path(again.lid).exists(),
+            "the earlier owner's groups"
+        );
     }
 
     #[test]

@@ -21,20 +21,31 @@
 //!
 //! The MAC covers the kind, the MGID, the GID, the time (Unix seconds) and the nonce; a
 //! message whose MAC does not verify, whose time is more than [`MAX_SKEW`] away, or that
-//! is longer than [`MAX_MESSAGE`] is dropped (counted). The GID only names a port: its
-//! worker address is then asked for with the authenticated LID lookup, as for any peer.
+//! is longer than [`MAX_MESSAGE`] is dropped (counted). A message heard before is dropped
+//! too ([`Replays`]: the MACs of the messages of the last [`MAX_SKEW`], at most
+//! [`MAX_REMEMBERED`]), so one captured on the link cannot be played back within the
+//! window. The GID only names a port: its worker address is then asked for with the
+//! authenticated LID lookup, as for any peer.
+//!
+//! Stale entries: a process killed before it could remove its `mcast-XXXX` entry (or its
+//! private `.mcast-<pid>` file) leaves it behind; the next claim of a LID sweeps it under the
+//! directory's lock once its pid is gone and no live process holds `lid-XXXX`, and a process
+//! that claims LID `XXXX` removes any `mcast-XXXX` left by an earlier owner before it can
+//! publish its own (`Directory::claim`), so no sweep ever removes a live owner's entry.
 
 use super::directory::{read_own_file, write_private};
 use super::{Directory, hex_decode, hex_encode, pid_alive};
 use crate::engine::auth::{MAC_LEN, Secret};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 const ENTRY_MAGIC: &str = "ugdr-mcast1";
-const PREFIX: &str = "mcast-";
+pub(super) const PREFIX: &str = "mcast-";
+/// The private file an entry is written to before it is renamed into place.
+pub(super) const TMP_PREFIX: &str = ".mcast-";
 const ENTRY_LABEL: &[u8] = b"ugdr multicast entry";
 const MESSAGE_LABEL: &[u8] = b"ugdr multicast message";
 /// The most groups one entry names (a process's `max_mcast_grp`).
@@ -45,9 +56,11 @@ pub const MAX_MESSAGE: usize = 256;
 /// How far a message's time may be from this host's clock.
 pub const MAX_SKEW: Duration = Duration::from_secs(60);
 const NONCE_LEN: usize = 16;
+/// How many messages [`Replays`] remembers.
+pub const MAX_REMEMBERED: usize = 4096;
 
 impl Directory {
-    fn group_path(&self, lid: u16) -> PathBuf {
+    pub(super) fn group_path(&self, lid: u16) -> PathBuf {
         self.path().join(format!("{PREFIX}{lid:04x}"))
     }
 
@@ -63,7 +76,7 @@ impl Directory {
         let list = group_list(groups);
         let mac = entry_mac(secret, pid, lid, &list);
         let content = format!("{ENTRY_MAGIC} {pid} {list} {}\n", hex_encode(&mac));
-        let tmp = self.path().join(format!(".mcast-{pid}"));
+        let tmp = self.path().join(format!("{TMP_PREFIX}{pid}"));
         let _ = fs::remove_file(&tmp);
         let written =
             write_private(&tmp, content.as_bytes()).and_then(|()| fs::rename(&tmp, &path));
@@ -74,6 +87,15 @@ impl Directory {
                 self.path().display()
             );
         }
+    }
+
+    /// Whether the `mcast-XXXX` entry of `lid` was left by a process that is gone: its pid
+    /// no longer exists and no live process holds the LID (call with the directory's lock
+    /// held, so that nobody claims the LID meanwhile; see the module comment).
+    pub(super) fn group_entry_stale(&self, lid: u16) -> bool {
+        read_own_file(&self.group_path(lid), MAX_ENTRY)
+            .and_then(|text| entry_pid(&text))
+            .is_some_and(|pid| !pid_alive(pid) && self.lookup(lid).is_none())
     }
 
     /// When the directory last changed (entries created, renamed or removed).
@@ -100,7 +122,14 @@ impl Directory {
             let Some(text) = read_own_file(&self.group_path(lid), MAX_ENTRY) else {
                 continue;
             };
-            for mgid in parse_entry(secret, lid, &text).unwrap_or_default() {
+            let Some((pid, groups)) = parse_entry(secret, lid, &text) else {
+                continue;
+            };
+            // Only the LID's owner speaks for it (a pid may have been reused since).
+            if self.lookup(lid).is_none_or(|owner| owner.pid != pid) {
+                continue;
+            }
+            for mgid in groups {
                 members.entry(mgid).or_default().push(lid);
             }
         }
@@ -125,15 +154,26 @@ fn entry_mac(secret: &Secret, pid: i32, lid: u16, list: &str) -> [u8; MAC_LEN] {
     secret.mac(&entry_parts(&pid.to_le_bytes(), &lid.to_le_bytes(), list))
 }
 
-/// The groups an `mcast-XXXX` entry of port `lid` names, if it is sound, proven and its
-/// process alive.
-fn parse_entry(secret: &Secret, lid: u16, text: &str) -> Option<Vec<[u8; 16]>> {
+/// The fields of an `mcast-XXXX` entry: pid, group list, MAC (not checked).
+fn entry_fields(text: &str) -> Option<(i32, &str, &str)> {
     let line = text.strip_suffix('\n')?;
     let fields: Vec<&str> = line.split(' ').collect();
     let [ENTRY_MAGIC, pid, list, mac] = fields.as_slice() else {
         return None;
     };
     let pid = pid.parse::<i32>().ok().filter(|p| *p > 0)?;
+    Some((pid, list, mac))
+}
+
+/// The pid an `mcast-XXXX` entry names, if it is an entry (for sweeping; not proven).
+fn entry_pid(text: &str) -> Option<i32> {
+    entry_fields(text).map(|(pid, ..)| pid)
+}
+
+/// The pid and the groups of an `mcast-XXXX` entry of port `lid`, if it is sound, proven
+/// and its process alive.
+fn parse_entry(secret: &Secret, lid: u16, text: &str) -> Option<(i32, Vec<[u8; 16]>)> {
+    let (pid, list, mac) = entry_fields(text)?;
     let mac = hex_decode(mac)?;
     if !secret.verify(
         &entry_parts(&pid.to_le_bytes(), &lid.to_le_bytes(), list),
@@ -142,10 +182,12 @@ fn parse_entry(secret: &Secret, lid: u16, text: &str) -> Option<Vec<[u8; 16]>> {
     {
         return None;
     }
-    list.split(',')
+    let groups = list
+        .split(',')
         .take(MAX_ENTRY_GROUPS)
         .map(|g| hex_decode(g).and_then(|b| <[u8; 16]>::try_from(b).ok()))
-        .collect()
+        .collect::<Option<Vec<_>>>()?;
+    Some((pid, groups))
 }
 
 /// The IPv4 multicast group discovery for `mgid` uses: the IPv4 group an rdma_cm MGID was
@@ -245,8 +287,8 @@ impl Message {
         .into_bytes()
     }
 
-    /// A message whose fields, time and MAC check out.
-    pub fn decode(secret: &Secret, bytes: &[u8]) -> Option<Message> {
+    /// A message whose fields, time and MAC check out, with its time and MAC.
+    pub fn decode(secret: &Secret, bytes: &[u8]) -> Option<(Message, Stamp)> {
         if bytes.len() > MAX_MESSAGE {
             return None;
         }
@@ -271,9 +313,65 @@ impl Message {
             gid: hex_decode(gid)?.try_into().ok()?,
             nonce: hex_decode(nonce)?.try_into().ok()?,
         };
+        let mac: [u8; MAC_LEN] = hex_decode(mac)?.try_into().ok()?;
         secret
-            .verify(&message_parts(&m, &time.to_le_bytes()), &hex_decode(mac)?)
-            .then_some(m)
+            .verify(&message_parts(&m, &time.to_le_bytes()), &mac)
+            .then_some((m, Stamp { time, mac }))
+    }
+}
+
+/// When a message was sent (by its sender's clock, Unix seconds) and its MAC, which tells
+/// one message from every other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    pub time: u64,
+    pub mac: [u8; MAC_LEN],
+}
+
+/// The messages heard within the last [`MAX_SKEW`] (older ones fail [`Message::decode`]'s
+/// time check anyway), by time, at most [`MAX_REMEMBERED`]: beyond that the oldest second
+/// is forgotten and every message of that second or before is refused from then on, so a
+/// flood of authentic messages can make the set forget nothing it would still accept.
+#[derive(Default)]
+pub struct Replays {
+    by_time: BTreeMap<u64, HashSet<[u8; MAC_LEN]>>,
+    count: usize,
+    /// Messages of this second or older are refused (seconds forgotten when full).
+    floor: Option<u64>,
+}
+
+impl Replays {
+    /// Whether `stamp`'s message is heard for the first time (it is remembered then).
+    pub fn first_time(&mut self, stamp: &Stamp) -> bool {
+        self.first_time_at(stamp, now_secs())
+    }
+
+    fn first_time_at(&mut self, stamp: &Stamp, now: u64) -> bool {
+        let oldest = now.saturating_sub(MAX_SKEW.as_secs());
+        while let Some(entry) = self.by_time.first_entry() {
+            if *entry.key() >= oldest {
+                break;
+            }
+            self.count -= entry.remove().len();
+        }
+        if self.floor.is_some_and(|f| stamp.time <= f)
+            || !self
+                .by_time
+                .entry(stamp.time)
+                .or_default()
+                .insert(stamp.mac)
+        {
+            return false;
+        }
+        self.count += 1;
+        while self.count > MAX_REMEMBERED {
+            let Some((time, macs)) = self.by_time.pop_first() else {
+                break;
+            };
+            self.count -= macs.len();
+            self.floor = Some(self.floor.map_or(time, |f| f.max(time)));
+        }
+        true
     }
 }
 
@@ -299,7 +397,10 @@ mod tests {
         let secret = Secret::new(b"k", "test");
         let m = Message::new(Kind::Member, [0xff; 16], [0xfe; 16]);
         let line = m.encode(&secret);
-        assert_eq!(Message::decode(&secret, &line), Some(m.clone()));
+        assert_eq!(
+            Message::decode(&secret, &line).map(|d| d.0),
+            Some(m.clone())
+        );
         assert_eq!(Message::decode(&Secret::new(b"other", "t"), &line), None);
         let mut tampered = line.clone();
         let i = tampered.iter().position(|b| *b == b'M').unwrap() + 1;
@@ -309,21 +410,73 @@ mod tests {
     }
 
     #[test]
+    fn a_message_is_taken_once_and_a_full_memory_refuses_what_it_forgot() {
+        let secret = Secret::new(b"k", "test");
+        let m = Message::new(Kind::Left, [0xff; 16], [0xfe; 16]);
+        let (_, stamp) = Message::decode(&secret, &m.encode(&secret)).unwrap();
+        let mut seen = Replays::default();
+        assert!(seen.first_time(&stamp));
+        assert!(!seen.first_time(&stamp), "the same message again");
+        // Another message of the same second (an answer to another question) is new.
+        let other = Message::new(Kind::Left, [0xff; 16], [0xfe; 16]);
+        let (_, other) = Message::decode(&secret, &other.encode(&secret)).unwrap();
+        assert!(seen.first_time(&other));
+        // Seconds older than the window are forgotten (such messages fail decoding).
+        let now = 1_000_000;
+        let mut seen = Replays::default();
+        let at = |time: u64, n: u32| Stamp {
+            time,
+            mac: {
+                let mut mac = [0u8; MAC_LEN];
+                mac[..4].copy_from_slice(&n.to_le_bytes());
+                mac
+            },
+        };
+        assert!(seen.first_time_at(&at(now - 60, 1), now));
+        assert!(seen.first_time_at(&at(now, 2), now + 1));
+        assert_eq!(seen.count, 1, "second {} left the window", now - 60);
+        // Full: the oldest second goes, and nothing of it or before is taken again.
+        let mut seen = Replays::default();
+        for n in 0..MAX_REMEMBERED as u32 {
+            assert!(seen.first_time_at(&at(now - 1 + u64::from(n % 2), n), now));
+        }
+        assert_eq!(seen.count, MAX_REMEMBERED);
+        assert!(seen.first_time_at(&at(now, u32::MAX), now));
+        assert_eq!(seen.count, MAX_REMEMBERED / 2 + 1);
+        assert!(
+            !seen.first_time_at(&at(now - 1, 0), now),
+            "forgotten, refused"
+        );
+        assert!(
+            !seen.first_time_at(&at(now - 1, u32::MAX - 1), now),
+            "new but old"
+        );
+        assert!(!seen.first_time_at(&at(now, 1), now), "remembered");
+        assert!(seen.first_time_at(&at(now, u32::MAX - 1), now));
+    }
+
+    #[test]
     fn entries_are_published_read_back_and_refused_when_forged() {
         let dir = std::env::temp_dir().join(format!("ugdr-mcast-test-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         let d = Directory::open_at(dir.clone()).unwrap();
         let secret = Secret::new(b"k", "test");
         let (a, b) = ([0xff; 16], [0xfe; 16]);
-        d.publish_groups(&secret, 0x0102, &[a, b]);
-        d.publish_groups(&secret, 0x0103, &[a]);
+        let claim = |tag| d.claim(tag, &[0x01, 0x20], &[1]).unwrap().lid;
+        let (one, two) = (claim(1), claim(1));
+        d.publish_groups(&secret, one, &[a, b]);
+        d.publish_groups(&secret, two, &[a]);
+        // An entry for a LID no live process of the entry's pid holds is no member.
+        d.publish_groups(&secret, 0x0203, &[a]);
         let m = d.group_members(&secret);
         let mut in_a = m[&a].clone();
         in_a.sort();
-        assert_eq!(in_a, [0x0102, 0x0103]);
-        assert_eq!(m[&b], [0x0102]);
+        let mut both = [one, two];
+        both.sort();
+        assert_eq!(in_a, both);
+        assert_eq!(m[&b], [one]);
         assert!(d.group_members(&Secret::new(b"other", "t")).is_empty());
-        d.publish_groups(&secret, 0x0102, &[]);
+        d.publish_groups(&secret, one, &[]);
         assert_eq!(d.group_members(&secret).get(&b), None);
         let _ = fs::remove_dir_all(&dir);
     }

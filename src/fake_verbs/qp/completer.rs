@@ -190,7 +190,10 @@ impl QueuePair {
         self.release_send_completions(q);
     }
 
-    /// The answer to one of this QP's READs or atomics.
+    /// The answer to one of this QP's READs or atomics. One longer than the request, or of the
+    /// other kind, is a bad response (IBV_WC_BAD_RESP_ERR, the QP goes to ERR) and nothing of
+    /// it lands: UCX aborts the process when a rendezvous message is received into a buffer
+    /// smaller than the sender claims.
     pub fn on_response(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
@@ -211,6 +214,27 @@ impl QueuePair {
             let Some(spans) = e.response_into.clone() else {
                 return false;
             };
+            let room: usize = spans.iter().map(|s| s.len()).sum();
+            let len = match &payload {
+                AmPayload::Transient(bytes) => bytes.len(),
+                AmPayload::Persistent(data) | AmPayload::Rendezvous(data) => data.len(),
+            };
+            let kind = if e.opcode == WcOpcode::RdmaRead {
+                wire::Op::ReadResponse
+            } else {
+                wire::Op::AtomicResponse
+            };
+            if len > room || h.op != kind {
+                tracing::debug!(
+                    "qp {:#x}: bad response {:?} of {len} bytes to psn {:#x} ({room} asked)",
+                    self.qp_num,
+                    h.op,
+                    h.seq
+                );
+                // Nothing is kept: UCX releases the payload (a rendezvous one unfetched).
+                self.fail_entry(q, h.seq, WcStatus::BadRespErr);
+                return false;
+            }
             match payload {
                 AmPayload::Transient(bytes) => crate::ucp::scatter(&spans, bytes),
                 AmPayload::Persistent(data) => crate::ucp::scatter(&spans, data.bytes()),
