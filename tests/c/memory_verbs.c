@@ -233,7 +233,8 @@ static void odp(struct ibv_pd *pd)
           (IBV_ODP_SUPPORT | IBV_ODP_SUPPORT_IMPLICIT), "odp general caps %llx",
           (unsigned long long)dx.odp_caps.general_caps);
     uint32_t rc = IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_RECV | IBV_ODP_SUPPORT_WRITE |
-                  IBV_ODP_SUPPORT_READ | IBV_ODP_SUPPORT_ATOMIC | IBV_ODP_SUPPORT_SRQ_RECV;
+                  IBV_ODP_SUPPORT_READ | IBV_ODP_SUPPORT_ATOMIC | IBV_ODP_SUPPORT_SRQ_RECV |
+                  (1 << 7) /* IBV_ODP_SUPPORT_ATOMIC_WRITE (rdma-core after v44) */;
     CHECK(dx.odp_caps.per_transport_caps.rc_odp_caps == rc, "rc odp caps %x", dx.odp_caps.per_transport_caps.rc_odp_caps);
     CHECK(dx.odp_caps.per_transport_caps.ud_odp_caps & IBV_ODP_SUPPORT_SEND, "ud odp caps");
 
