@@ -26,7 +26,7 @@ use crate::fake_verbs::qp_state::QpType;
 use crate::fake_verbs::work::{
     RecvRequest, SendOpcode, SendRequest, Sge, WC_WITH_IMM, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::ucp::{AppRegion, HostBuffer, gather, scatter};
+use crate::ucp::{AppRegion, HostBuffer, gather, gather_into, scatter};
 use smallvec::smallvec;
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
@@ -61,6 +61,12 @@ fn device() -> Result<&'static Device, RsError> {
     let context = Arc::new(DeviceContext::new()?);
     let pd = ProtectionDomain::new(Arc::clone(&context));
     Ok(DEVICE.get_or_init(|| Device { context, pd }))
+}
+
+/// The device context and protection domain of every rsocket (datagram ones too).
+pub(super) fn context_and_pd() -> Result<(Arc<DeviceContext>, Arc<ProtectionDomain>), RsError> {
+    let d = device()?;
+    Ok((Arc::clone(&d.context), Arc::clone(&d.pd)))
 }
 
 /// The protection domain rsockets register memory in (`riomap`).
@@ -540,9 +546,11 @@ impl Conn {
             let a = &self.ready[i];
             let n = ((a.len - a.read) as usize).min(buf.len() - done);
             let off = u64::from(a.slot) * u64::from(SEG) + u64::from(a.read);
-            let bytes = self.slot_bytes(off, n as u32);
-            buf[done..done + bytes.len()].copy_from_slice(&bytes);
-            done += bytes.len();
+            // One copy, from the receive ring straight into the caller's buffer.
+            done += match self.mem.span(off, n as u64) {
+                Some(span) => gather_into(&[span], &mut buf[done..done + n]),
+                None => 0,
+            };
             if peek {
                 i += 1;
                 continue;

@@ -643,6 +643,28 @@ impl AppSpan {
     }
 }
 
+/// Copies the bytes of `spans`, in order, into `dst` (as many as fit); the bytes copied. A
+/// span whose region died reads as zeros. One copy, where [`gather`] would make a vector first.
+pub fn gather_into(spans: &[AppSpan], dst: &mut [u8]) -> usize {
+    let mut off = 0;
+    for s in spans {
+        if off == dst.len() {
+            break;
+        }
+        let n = s.len.min(dst.len() - off);
+        match s.hold() {
+            // SAFETY: as in `scatter`; the span is readable for `len` >= `n` bytes, and `dst`
+            // is a Rust slice of at least `off + n` bytes that cannot overlap ugdr's buffers.
+            Some(_held) => unsafe {
+                std::ptr::copy_nonoverlapping(s.as_ptr() as *const u8, dst.as_mut_ptr().add(off), n)
+            },
+            None => dst[off..off + n].fill(0),
+        }
+        off += n;
+    }
+    off
+}
+
 /// Holds every span (see [`AppSpan::hold`]); `None` if any of their regions died.
 pub fn hold_all(spans: &[AppSpan]) -> Option<smallvec::SmallVec<[Hold; 4]>> {
     spans.iter().map(AppSpan::hold).collect()
