@@ -22,9 +22,13 @@
 //!   source GID (written by ugdr's engine, not by the peer). Until then its own datagrams to
 //!   that address resolve it as above.
 //!
-//! Nothing blocks here: resolution and arrivals progress whenever the application calls into
-//! the socket (a blocked call waits on the UDP socket and the CQ's channel, and on the next
-//! REQ retry). A datagram is at most [`MAX_PAYLOAD`] bytes (EMSGSIZE above); one that finds no
+//! Nothing blocks here. Resolution progresses whenever the application calls into the socket
+//! (a blocked call waits on the UDP socket and the CQ's channel, and on the next REQ retry)
+//! and, as UDP needs no call after `sendto` for a datagram to go, in the process's resolution
+//! service thread (`ugdr-rs-dgram`, started with the first datagram socket): it sleeps in
+//! `poll` on every datagram socket's UDP port until a resolution message arrives or a REQ is
+//! due, and answers REQs, takes ANSs (posting the datagrams that waited) and runs the retries.
+//! Arrivals are the engine's: they land in the posted receives without any call. A datagram is at most [`MAX_PAYLOAD`] bytes (EMSGSIZE above); one that finds no
 //! posted receive at its destination is lost, as UDP loses one that finds a full buffer.
 
 use super::options::{Options, SOL_RDMA};
@@ -191,6 +195,8 @@ struct State {
     connected: Option<SocketAddr>,
     shut_rd: bool,
     shut_wr: bool,
+    /// `rclose`d: the service leaves it alone.
+    closed: bool,
 }
 
 pub struct Datagram {
@@ -222,6 +228,7 @@ impl Datagram {
                 connected: None,
                 shut_rd: false,
                 shut_wr: false,
+                closed: false,
             }),
         }))
     }
@@ -292,14 +299,8 @@ impl Datagram {
         let mut timeout = -1;
         if port.arm() {
             timeout = 0;
-        } else if let Some(next) = st
-            .asking
-            .iter()
-            .filter_map(|k| st.peers.get(k)?.ask.map(|a| a.next))
-            .min()
-        {
-            let left = next.saturating_duration_since(Instant::now());
-            timeout = (left.as_millis() as i32).saturating_add(1);
+        } else if let Some(ms) = next_ask_ms(st) {
+            timeout = ms;
         }
         Wait::on(&[self.fd, port.wait_fd()], timeout)
     }
@@ -433,6 +434,7 @@ impl Datagram {
             std::thread::sleep(Duration::from_micros(200));
             st = self.state();
         }
+        st.closed = true;
         st.peers.clear();
         st.by_token.clear();
         st.ready.clear();
@@ -464,15 +466,115 @@ impl Datagram {
     }
 }
 
-/// The UD port, made on first use with the rings the options ask for.
+/// The UD port, made on first use with the rings the options ask for (and the service told
+/// to watch the socket from now on).
 fn ensure_port(st: &mut State) -> Result<(), RsError> {
     if st.port.is_none() {
         let (rq, sq) = ring_sizes(st.opts.rcvbuf, st.opts.sndbuf);
         let (rq, sq) = (st.opts.rqsize.unwrap_or(rq), st.opts.sqsize.unwrap_or(sq));
         let (rq, sq) = (rq.clamp(2, 1024), sq.clamp(2, 1024));
         st.port = Some(UdPort::new(rq, sq)?);
+        service::notify();
     }
     Ok(())
+}
+
+/// Milliseconds until the next REQ retry of the socket (rounded up), if one is due.
+fn next_ask_ms(st: &State) -> Option<i32> {
+    let next = st
+        .asking
+        .iter()
+        .filter_map(|k| st.peers.get(k)?.ask.map(|a| a.next))
+        .min()?;
+    let left = next.saturating_duration_since(Instant::now());
+    Some((left.as_millis() as i32).saturating_add(1))
+}
+
+/// The process's resolution service (see the module comment).
+mod service {
+    use super::Datagram;
+    use std::net::{SocketAddr, UdpSocket};
+    use std::os::fd::{AsRawFd, RawFd};
+    use std::sync::{Arc, OnceLock};
+
+    /// A loopback UDP socket the thread also waits on: a byte to it makes the thread look at
+    /// the sockets again (a new one, a new REQ timer).
+    struct Waker {
+        sock: UdpSocket,
+        addr: SocketAddr,
+    }
+
+    fn waker() -> Option<&'static Waker> {
+        static WAKER: OnceLock<Option<Waker>> = OnceLock::new();
+        WAKER
+            .get_or_init(|| {
+                let sock =
+                    crate::sys::socket::bind_udp(SocketAddr::from(([127, 0, 0, 1], 0))).ok()?;
+                sock.set_nonblocking(true).ok()?;
+                let addr = sock.local_addr().ok()?;
+                let w = Waker { sock, addr };
+                let fd = w.sock.as_raw_fd();
+                std::thread::Builder::new()
+                    .name("ugdr-rs-dgram".into())
+                    .spawn(move || serve(fd))
+                    .ok()?;
+                Some(w)
+            })
+            .as_ref()
+    }
+
+    /// Makes the thread (started now if need be) look at the sockets again.
+    pub(super) fn notify() {
+        if let Some(w) = waker() {
+            let _ = w.sock.send_to(&[0], w.addr);
+        }
+    }
+
+    /// The sockets to watch and the next REQ due among them.
+    fn watched() -> (Vec<Arc<Datagram>>, i32) {
+        let mut timeout = -1;
+        let socks: Vec<Arc<Datagram>> = super::super::datagrams()
+            .into_iter()
+            .filter(|d| {
+                let st = d.state();
+                if st.closed || st.port.is_none() {
+                    return false;
+                }
+                if let Some(ms) = super::next_ask_ms(&st)
+                    && (timeout < 0 || ms < timeout)
+                {
+                    timeout = ms;
+                }
+                true
+            })
+            .collect();
+        (socks, timeout)
+    }
+
+    fn serve(waker_fd: RawFd) {
+        let mut drain = [0u8; 16];
+        loop {
+            let (socks, timeout) = watched();
+            let mut fds = vec![waker_fd];
+            fds.extend(socks.iter().map(|d| d.fd()));
+            let ready = crate::ucp::wait_readable(&fds, timeout);
+            if ready.contains(&0)
+                && let Some(w) = waker()
+            {
+                while w.sock.recv_from(&mut drain).is_ok() {}
+            }
+            for (i, d) in socks.iter().enumerate() {
+                let mut st = d.state();
+                if st.closed || st.port.is_none() {
+                    continue;
+                }
+                if ready.contains(&(i + 1)) {
+                    super::read_resolutions(&mut st);
+                }
+                super::run_timers(&mut st);
+            }
+        }
+    }
 }
 
 fn release(st: &mut State, slot: u32) {
@@ -547,6 +649,7 @@ fn ask(st: &mut State, key: SocketAddr) -> Result<(), RsError> {
         tries: 1,
     });
     st.asking.push(key);
+    service::notify();
     Ok(())
 }
 

@@ -117,6 +117,17 @@ pub fn lookup(fd: RawFd) -> Result<Rsocket, RsError> {
     table().get(&fd).cloned().ok_or(RsError::Os(libc::EBADF))
 }
 
+/// Every open datagram rsocket (for the resolution service, `datagram.rs`).
+fn datagrams() -> Vec<Arc<Datagram>> {
+    table()
+        .values()
+        .filter_map(|s| match s {
+            Rsocket::Datagram(d) => Some(Arc::clone(d)),
+            Rsocket::Stream(_) => None,
+        })
+        .collect()
+}
+
 /// Whether `fd` is an rsocket.
 pub fn is_rsocket(fd: RawFd) -> bool {
     table().contains_key(&fd)
