@@ -298,7 +298,10 @@ fn udpong_client(ns: Option<&NetnsPair>, addr: &str, port: u16, args: &[&str], r
         let out = match Guarded::spawn(cmd, "udpong client").wait_until(deadline) {
             Ok(out) => out,
             Err(out) if attempt < 2 => {
-                eprintln!("udpong client {args:?} did not finish; once more\n{}", text(&out));
+                eprintln!(
+                    "udpong client {args:?} did not finish; once more\n{}",
+                    text(&out)
+                );
                 continue;
             }
             Err(out) => panic!("udpong client {args:?} timed out 3 times\n{}", text(&out)),
@@ -335,7 +338,14 @@ fn udpong(ns: Option<&NetnsPair>, addr: &str, server_args: &[&str], runs: &[(&[&
         let text = match ns {
             Some(n) => {
                 let out = std::process::Command::new("ip")
-                    .args(["netns", "exec", &n.a, "cat", "/proc/net/udp", "/proc/net/udp6"])
+                    .args([
+                        "netns",
+                        "exec",
+                        &n.a,
+                        "cat",
+                        "/proc/net/udp",
+                        "/proc/net/udp6",
+                    ])
                     .output()
                     .expect("ip netns exec");
                 String::from_utf8_lossy(&out.stdout).into_owned()
@@ -350,7 +360,10 @@ fn udpong(ns: Option<&NetnsPair>, addr: &str, server_args: &[&str], runs: &[(&[&
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !bound() {
         server.assert_running();
-        assert!(std::time::Instant::now() < deadline, "udpong server never bound");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "udpong server never bound"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     for (args, report) in runs {
@@ -383,7 +396,10 @@ fn udpong_blocking() {
         "127.0.0.1",
         &["-T", "b"],
         &[
-            (&["-T", "b", "-T", "e", "-C", "20", "-S", "64"], &["64", "40"]),
+            (
+                &["-T", "b", "-T", "e", "-C", "20", "-S", "64"],
+                &["64", "40"],
+            ),
             (&["-T", "b", "-C", "2000", "-S", "512"], &["512"]),
         ],
     );
@@ -397,7 +413,10 @@ fn udpong_async_ipv6() {
         "::1",
         &["-T", "a"],
         &[
-            (&["-T", "a", "-T", "e", "-C", "20", "-S", "1024"], &["1k", "40"]),
+            (
+                &["-T", "a", "-T", "e", "-C", "20", "-S", "1024"],
+                &["1k", "40"],
+            ),
             (&["-T", "a", "-C", "2000", "-S", "100"], &["100"]),
         ],
     );

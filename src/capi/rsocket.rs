@@ -644,7 +644,10 @@ pub unsafe extern "C-unwind" fn rrecvmsg(socket: c_int, msg: *mut msghdr, flags:
         return fail(RsError::Os(libc::EMSGSIZE));
     };
     if let Some(d) = datagram(socket) {
-        let name = (m.msg_name.cast::<sockaddr>(), std::ptr::addr_of_mut!(m.msg_namelen));
+        let name = (
+            m.msg_name.cast::<sockaddr>(),
+            std::ptr::addr_of_mut!(m.msg_namelen),
+        );
         let name = if m.msg_name.is_null() {
             (std::ptr::null_mut(), std::ptr::null_mut())
         } else {
@@ -748,7 +751,16 @@ pub unsafe extern "C-unwind" fn rsendmsg(socket: c_int, msg: *const msghdr, flag
             }
         };
         // SAFETY: `data` is ours.
-        return unsafe { dgram_send("rsendmsg", &d, data.as_ptr().cast(), data.len(), flags, dest) };
+        return unsafe {
+            dgram_send(
+                "rsendmsg",
+                &d,
+                data.as_ptr().cast(),
+                data.len(),
+                flags,
+                dest,
+            )
+        };
     }
     // SAFETY: `data` is ours.
     unsafe { send_from("rsendmsg", socket, data.as_ptr().cast(), data.len(), flags) }

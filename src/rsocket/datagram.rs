@@ -57,7 +57,8 @@ const RES_LEN: usize = 48;
 const ASK_FIRST: Duration = Duration::from_millis(20);
 const ASK_MAX: Duration = Duration::from_millis(500);
 const ASK_TRIES: u32 = 10;
-/// The most peers a socket remembers; beyond, the least recently used idle one is forgotten.
+/// The most peers a socket remembers; beyond, an idle one is forgotten (one never proven
+/// first, then the least recently used).
 const MAX_PEERS: usize = 4096;
 /// Resolution messages read per progress pass (the rest wait for the next one).
 const UDP_BATCH: usize = 64;
@@ -600,7 +601,9 @@ fn peer_entry(st: &mut State, addr: SocketAddr) -> Option<&mut Peer> {
                 .peers
                 .iter()
                 .filter(|(k, p)| p.pending.is_empty() && Some(**k) != st.connected)
-                .min_by_key(|(_, p)| p.used)
+                // Addresses that only asked (never proven by a datagram) go first: a flood of
+                // REQs from made-up addresses must not push out the peers in use.
+                .min_by_key(|(_, p)| (p.route.is_some(), p.used))
                 .map(|(k, _)| *k)?;
             forget(st, idle);
         }
@@ -784,8 +787,7 @@ fn on_receive(st: &mut State, wc: &WorkCompletion) {
     }
     let len = wc.byte_len as usize;
     if wc.status != WcStatus::Success
-        || len < GRH_LEN + HDR_LEN
-        || len > GRH_LEN + super::ud::MTU
+        || !(GRH_LEN + HDR_LEN..=GRH_LEN + super::ud::MTU).contains(&len)
     {
         if wc.status != WcStatus::WrFlushErr {
             repost(st, slot);

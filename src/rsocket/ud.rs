@@ -199,7 +199,9 @@ impl UdPort {
 
     /// This port's GID (it names the host and the LID).
     pub fn gid(&self) -> [u8; 16] {
-        let lid = Engine::running().map(|e| e.lid).unwrap_or(self.qp.local_lid);
+        let lid = Engine::running()
+            .map(|e| e.lid)
+            .unwrap_or(self.qp.local_lid);
         port_gid(crate::engine::host_network().ipv4, lid)
     }
 

@@ -842,4 +842,28 @@ mod tests {
         drop(later);
         assert_eq!(buf, vec![0u8; 16]);
     }
+
+    #[test]
+    fn gather_into_copies_in_order_up_to_the_destination_and_reads_dead_spans_as_zeros() {
+        let a = [1u8, 2, 3];
+        let b = [4u8, 5];
+        let spans = [AppSpan::of_owned(&a), AppSpan::of_owned(&b)];
+        let mut out = [0xEEu8; 4];
+        assert_eq!(gather_into(&spans, &mut out), 4);
+        assert_eq!(out, [1, 2, 3, 4]);
+        let mut all = [0xEEu8; 8];
+        assert_eq!(gather_into(&spans, &mut all), 5);
+        assert_eq!(all, [1, 2, 3, 4, 5, 0xEE, 0xEE, 0xEE]);
+        let buf = HostBuffer::new(16).unwrap();
+        let region = buf.region(0, 16).unwrap();
+        let span = region.span(region.addr(), 16).unwrap();
+        scatter(&[span], &[7u8; 16]);
+        let mut live = [0u8; 16];
+        assert_eq!(gather_into(&[span], &mut live), 16);
+        assert_eq!(live, [7u8; 16]);
+        drop(region);
+        let mut dead = [0xEEu8; 16];
+        assert_eq!(gather_into(&[span], &mut dead), 16);
+        assert_eq!(dead, [0u8; 16]);
+    }
 }

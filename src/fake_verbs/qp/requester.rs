@@ -257,9 +257,7 @@ impl QueuePair {
         let (endpoint, mut header) = match (&req.ud, datagram_to) {
             (Some(ud), Some(endpoint)) => {
                 let endpoint = match endpoint {
-                    Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) && !ep.failed() => {
-                        ep
-                    }
+                    Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) && !ep.failed() => ep,
                     _ => {
                         // C10-93.1.1: a UD message above the port's MTU emits no packet and
                         // is no error (rxe completes it successfully); neither is a datagram
