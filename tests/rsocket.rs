@@ -435,3 +435,34 @@ fn udpong_across_two_hosts() {
         ],
     );
 }
+
+/// A stream rsocket's credit writes (an inline RDMA WRITE of a count into the peer's credit
+/// word) take the same-host direct path: the credit word's area is whole pages, which
+/// registration moves onto shared memory. (An 8-byte area stayed private, "ERANGE", and every
+/// credit write fell back to a message.)
+#[test]
+fn rsocket_credit_writes_take_the_direct_path() {
+    let port = free_port();
+    let p = port.to_string();
+    let args = ["-S", "100000", "-C", "40", "-T", "v", "-p", &p];
+    let mut server = preloaded("rstream", &args);
+    let mut client = preloaded("rstream", &[&args[..], &["-s", "127.0.0.1"]].concat());
+    for c in [&mut server, &mut client] {
+        c.env("UGDR_LOG", "debug");
+    }
+    let (so, co) = run_pingpong(server, client, port, Duration::from_secs(120));
+    assert_success(&so, "rstream server");
+    assert_success(&co, "rstream client");
+    let logs =
+        String::from_utf8_lossy(&so.stderr).into_owned() + &String::from_utf8_lossy(&co.stderr);
+    assert!(
+        !logs.contains("stays private"),
+        "rsocket memory was left off the direct path:\n{logs}"
+    );
+    assert!(
+        logs.lines().any(|l| l.contains("direct path to pid")
+            && !l.contains(": 0 writes")
+            && l.ends_with(", 0 fell back to messages")),
+        "no credit write took the direct path:\n{logs}"
+    );
+}

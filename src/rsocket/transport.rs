@@ -43,6 +43,11 @@ pub const MSG_IOUNMAP: u32 = 3;
 const MAGIC: u32 = 0x5547_5253;
 /// Send work-request ids: a slot number, or a credit write (which has none).
 const WR_CREDIT: u64 = u64::MAX;
+/// The credit word's registered area: whole pages (of any page size up to 64 KiB), so that
+/// registering it moves it onto shared memory and the peer's credit writes take the same-host
+/// direct path (`shared_memory::backing` shares whole pages only; an 8-byte region stayed
+/// private, ERANGE, and every credit write went as a message). The word is its first 8 bytes.
+const CREDIT_AREA: u64 = SEG as u64;
 /// Work requests kept free in the send queue for credit writes.
 const SQ_SPARE: u32 = 4;
 
@@ -237,7 +242,7 @@ impl Conn {
         engine.register_qp(qp.qp_num, Arc::clone(&qp) as _);
         let send_off = u64::from(rq) * u64::from(SEG);
         let credit_off = send_off + u64::from(sq) * u64::from(SEG);
-        let mem = HostBuffer::new(credit_off + 8)?;
+        let mem = HostBuffer::new(credit_off + CREDIT_AREA)?;
         let region = |off: u64, len: u64| {
             mem.region(off, len)
                 .ok_or(RsError::Os(libc::EINVAL))
@@ -245,7 +250,7 @@ impl Conn {
         };
         let (base, ring) = region(0, credit_off)?;
         let ring_mr = MemoryRegion::register(&dev.pd, ring, base, ACCESS_LOCAL_WRITE)?;
-        let (credit_addr, credit) = region(credit_off, 8)?;
+        let (credit_addr, credit) = region(credit_off, CREDIT_AREA)?;
         let credit_mr = MemoryRegion::register(
             &dev.pd,
             credit,
