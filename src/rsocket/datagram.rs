@@ -183,7 +183,8 @@ pub struct Received {
 }
 
 struct State {
-    udp: UdpSocket,
+    /// The socket's UDP socket; None once closed (`rclose` frees the port at once).
+    udp: Option<UdpSocket>,
     opts: Options,
     nonblocking: bool,
     port: Option<UdPort>,
@@ -198,6 +199,12 @@ struct State {
     shut_wr: bool,
     /// `rclose`d: the service leaves it alone.
     closed: bool,
+}
+
+impl State {
+    fn udp(&self) -> Result<&UdpSocket, RsError> {
+        self.udp.as_ref().ok_or(RsError::Os(libc::EBADF))
+    }
 }
 
 pub struct Datagram {
@@ -218,7 +225,7 @@ impl Datagram {
         Ok(Arc::new(Datagram {
             fd: udp.as_raw_fd(),
             st: Mutex::new(State {
-                udp,
+                udp: Some(udp),
                 opts: Options::default(),
                 nonblocking,
                 port: None,
@@ -253,17 +260,17 @@ impl Datagram {
     /// `rbind`: the UDP socket's bind (its errors: EADDRINUSE, EINVAL when bound, ...).
     pub fn bind(&self, addr: SocketAddr) -> Result<(), RsError> {
         let mut st = self.state();
-        SockRef::from(&st.udp).bind(&addr.into())?;
+        SockRef::from(st.udp()?).bind(&addr.into())?;
         ensure_port(&mut st)?;
         Ok(())
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, RsError> {
-        Ok(self.state().udp.local_addr()?)
+        Ok(self.state().udp()?.local_addr()?)
     }
 
     pub fn peer_addr(&self) -> Result<SocketAddr, RsError> {
-        Ok(self.state().udp.peer_addr()?)
+        Ok(self.state().udp()?.peer_addr()?)
     }
 
     /// `rconnect`: the default destination and the only source accepted from now on; its
@@ -271,7 +278,7 @@ impl Datagram {
     pub fn connect(&self, addr: SocketAddr) -> Result<(), RsError> {
         let mut st = self.state();
         ensure_port(&mut st)?;
-        SockRef::from(&st.udp).connect(&addr.into())?;
+        SockRef::from(st.udp()?).connect(&addr.into())?;
         let key = canonical(addr);
         st.connected = Some(key);
         // Datagrams from elsewhere that wait are no longer this socket's.
@@ -323,7 +330,7 @@ impl Datagram {
         }
         let dest = match (dest, st.connected) {
             (Some(d), _) => d,
-            (None, Some(_)) => st.udp.peer_addr()?,
+            (None, Some(_)) => st.udp()?.peer_addr()?,
             (None, None) => return Err(RsError::Os(libc::EDESTADDRREQ)),
         };
         ensure_port(&mut st)?;
@@ -418,6 +425,7 @@ impl Datagram {
     /// `rclose`: datagrams still resolving or in flight go first (bounded), then the verbs.
     pub fn close(&self) {
         let mut st = self.state();
+        let had_port = st.port.is_some();
         let within = if st.opts.linger.0 {
             Duration::from_secs(u64::from(st.opts.linger.1))
         } else {
@@ -442,6 +450,14 @@ impl Datagram {
         if let Some(port) = st.port.take() {
             port.destroy();
         }
+        // The port is free when rclose returns, as close(2) frees it: the descriptor is closed
+        // here, and the service, whose `poll` holds a reference to the socket while it sleeps,
+        // is woken and waited for (bounded).
+        let watched = st.udp.take().is_some() && had_port;
+        drop(st);
+        if watched {
+            service::let_go();
+        }
     }
 
     pub fn setsockopt(&self, level: i32, name: i32, value: &[u8]) -> Result<(), RsError> {
@@ -451,7 +467,7 @@ impl Datagram {
         }
         st.opts.set(level, name, value)?;
         if (level, name) == (libc::SOL_SOCKET, libc::SO_REUSEADDR) {
-            SockRef::from(&st.udp).set_reuse_address(st.opts.reuseaddr)?;
+            SockRef::from(st.udp()?).set_reuse_address(st.opts.reuseaddr)?;
         }
         Ok(())
     }
@@ -496,7 +512,14 @@ mod service {
     use super::Datagram;
     use std::net::{SocketAddr, UdpSocket};
     use std::os::fd::{AsRawFd, RawFd};
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, OnceLock};
+    use std::time::{Duration, Instant};
+
+    /// Times the thread came back from `poll` (releasing its references to the sockets).
+    static ROUNDS: AtomicU64 = AtomicU64::new(0);
+    /// How long `let_go` waits for the thread.
+    const LET_GO: Duration = Duration::from_millis(200);
 
     /// A loopback UDP socket the thread also waits on: a byte to it makes the thread look at
     /// the sockets again (a new one, a new REQ timer).
@@ -531,6 +554,17 @@ mod service {
         }
     }
 
+    /// Wakes the thread and waits (bounded) until it came back from `poll`, so that it holds
+    /// no reference to a socket closed before the call.
+    pub(super) fn let_go() {
+        let seen = ROUNDS.load(Ordering::Acquire);
+        notify();
+        let deadline = Instant::now() + LET_GO;
+        while ROUNDS.load(Ordering::Acquire) == seen && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
     /// The sockets to watch and the next REQ due among them.
     fn watched() -> (Vec<Arc<Datagram>>, i32) {
         let mut timeout = -1;
@@ -559,6 +593,7 @@ mod service {
             let mut fds = vec![waker_fd];
             fds.extend(socks.iter().map(|d| d.fd()));
             let ready = crate::ucp::wait_readable(&fds, timeout);
+            ROUNDS.fetch_add(1, Ordering::AcqRel);
             if ready.contains(&0)
                 && let Some(w) = waker()
             {
@@ -669,7 +704,7 @@ fn send_resolution(st: &State, key: SocketAddr, kind: u8, echo: u64) -> Result<(
         echo,
         gid: port.gid(),
     };
-    match st.udp.send_to(&msg.encode(), p.addr) {
+    match st.udp()?.send_to(&msg.encode(), p.addr) {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
         Err(e) => Err(e.into()),
@@ -712,7 +747,8 @@ fn progress(st: &mut State) {
 fn read_resolutions(st: &mut State) {
     let mut buf = [0u8; RES_LEN + 1];
     for _ in 0..UDP_BATCH {
-        let (n, from) = match st.udp.recv_from(&mut buf) {
+        let Ok(udp) = st.udp() else { return };
+        let (n, from) = match udp.recv_from(&mut buf) {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
             // A connected socket hears of an earlier REQ that found no socket (ICMP): the

@@ -11,7 +11,8 @@
  * D: non-blocking (MSG_DONTWAIT, O_NONBLOCK via rfcntl) EAGAIN; rpoll and rselect readiness.
  * E: rconnect: rsend/rrecv, rgetpeername, datagrams from another socket are not received;
  *    rshutdown(SHUT_WR) then rsend is EPIPE.
- * F: a datagram to a port nobody listens on is sent (its length) and silently lost.
+ * F: rclose frees the port at once; a datagram to a port nobody listens on is sent (its
+ *    length) and silently lost.
  * G: hostile bytes on B's UDP port (junk, malformed or forged resolution messages, a large
  *    datagram) change nothing; a well-formed REQ gets exactly one well-formed answer.
  * H: rclose, then EBADF. */
@@ -221,7 +222,13 @@ int main(void)
 	CHECK(gone >= 0, "rsocket");
 	CHECK(rclose(gone) == 0, "rclose an unbound socket");
 	gone = dgram_on(&gaddr);
+	usleep(20000); /* the resolution service watches it now (C still asks A: it sleeps) */
 	CHECK(rclose(gone) == 0, "rclose");
+	/* rclose frees the port at once, as close(2) does. */
+	int again = rsocket(AF_INET, SOCK_DGRAM, 0);
+	CHECK(again >= 0 && rbind(again, (struct sockaddr *)&gaddr, sizeof gaddr) == 0,
+	      "the port is free again after rclose");
+	CHECK(rclose(again) == 0, "rclose");
 	CHECK(rsendto(b, "lost", 4, 0, (struct sockaddr *)&gaddr, sizeof gaddr) == 4,
 	      "sent to nobody");
 	CHECK(rsendto(b, "kept", 4, 0, (struct sockaddr *)&caddr, sizeof caddr) == 4, "b -> c");
