@@ -127,9 +127,19 @@ fn wait<R>(w: Wait) -> Attempt<R> {
     }
 }
 
+/// The stream rsocket `fd` names (a datagram socket: EOPNOTSUPP, as UDP's for these calls).
 fn stream(fd: c_int) -> Result<std::sync::Arc<rsocket::Stream>, RsError> {
     match rsocket::lookup(fd)? {
         Rsocket::Stream(s) => Ok(s),
+        Rsocket::Datagram(_) => Err(RsError::Os(libc::EOPNOTSUPP)),
+    }
+}
+
+/// The datagram rsocket `fd` names, if it names one.
+fn datagram(fd: c_int) -> Option<std::sync::Arc<rsocket::Datagram>> {
+    match rsocket::lookup(fd) {
+        Ok(Rsocket::Datagram(d)) => Some(d),
+        _ => None,
     }
 }
 
@@ -177,8 +187,10 @@ pub unsafe extern "C-unwind" fn raccept(
         Ok(s) => s,
         Err(e) => return fail(e),
     };
-    let Rsocket::Stream(listener) = &s;
-    let listener = std::sync::Arc::clone(listener);
+    let listener = match &s {
+        Rsocket::Stream(l) => std::sync::Arc::clone(l),
+        Rsocket::Datagram(_) => return fail(RsError::Os(libc::EOPNOTSUPP)),
+    };
     let addr_out = (addr as usize, addrlen as usize);
     run("raccept", &s, false, move || {
         let child = listener.accept()?;
@@ -212,8 +224,18 @@ pub unsafe extern "C-unwind" fn rconnect(
         Ok(p) => p,
         Err(e) => return fail(e),
     };
-    let Rsocket::Stream(st) = &s;
-    let st = std::sync::Arc::clone(st);
+    let st = match &s {
+        Rsocket::Stream(st) => std::sync::Arc::clone(st),
+        // UDP's connect: the default destination, at once.
+        Rsocket::Datagram(d) => {
+            return ffi_boundary!("rconnect", on_panic = c_int::minus_one(libc::EIO), {
+                match d.connect(dst) {
+                    Ok(()) => 0,
+                    Err(e) => fail(e),
+                }
+            });
+        }
+    };
     let nonblocking = s.is_nonblocking();
     let mut first = Some(dst);
     blocking(
@@ -239,7 +261,7 @@ pub unsafe extern "C-unwind" fn rconnect(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rshutdown(socket: c_int, how: c_int) -> c_int {
     ffi_boundary!("rshutdown", on_panic = c_int::minus_one(libc::EIO), {
-        match stream(socket).and_then(|s| s.shutdown(how)) {
+        match rsocket::lookup(socket).and_then(|s| s.shutdown(how)) {
             Ok(()) => 0,
             Err(e) => fail(e),
         }
@@ -267,6 +289,12 @@ unsafe fn recv_into(
     len: usize,
     flags: c_int,
 ) -> isize {
+    if let Some(d) = datagram(socket) {
+        let none = std::ptr::null_mut();
+        // SAFETY: the caller's buffer; no source address asked for.
+        let got = unsafe { dgram_recv(name, &d, buf, len, flags, none, none.cast()) };
+        return dgram_count(got, flags);
+    }
     let s = match ffi_boundary!(name, on_panic = Err(RsError::Os(libc::EIO)), {
         stream(socket)
     }) {
@@ -314,6 +342,10 @@ unsafe fn send_from(
     len: usize,
     flags: c_int,
 ) -> isize {
+    if let Some(d) = datagram(socket) {
+        // SAFETY: the caller's buffer; the connected destination.
+        return unsafe { dgram_send(name, &d, buf, len, flags, None) };
+    }
     let s = match ffi_boundary!(name, on_panic = Err(RsError::Os(libc::EIO)), {
         stream(socket)
     }) {
@@ -421,6 +453,142 @@ unsafe fn recv_iov(
     n
 }
 
+/// What one datagram receive took, or the errno (already set) it failed with.
+struct Taken(Result<rsocket::Received, c_int>);
+
+impl MinusOne for Taken {
+    fn minus_one(errno: c_int) -> Self {
+        set_errno(errno);
+        Taken(Err(errno))
+    }
+}
+
+/// Receives one datagram into `len` bytes at `buf` (what does not fit is discarded) and writes
+/// its source to `src`/`srclen` (when not NULL): the bytes copied and the datagram's length,
+/// or None (errno set).
+///
+/// # Safety
+/// `buf` is valid for `len` bytes of writes (or `len` is 0); `src`/`srclen` as `write_addr`.
+unsafe fn dgram_recv(
+    name: &str,
+    d: &std::sync::Arc<rsocket::Datagram>,
+    buf: *mut c_void,
+    len: usize,
+    flags: c_int,
+    src: *mut sockaddr,
+    srclen: *mut socklen_t,
+) -> Option<(usize, usize)> {
+    if len > 0 && buf.is_null() {
+        let _: c_int = fail(RsError::Os(libc::EFAULT));
+        return None;
+    }
+    let peek = flags & libc::MSG_PEEK != 0;
+    let rs = Rsocket::Datagram(std::sync::Arc::clone(d));
+    let ptr = buf as usize;
+    let taken = run(name, &rs, flags & libc::MSG_DONTWAIT != 0, || {
+        let out: &mut [u8] = if len == 0 {
+            &mut []
+        } else {
+            // SAFETY: the caller's buffer of `len` bytes (not NULL: checked above).
+            unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
+        };
+        match d.recv(out, peek)? {
+            Some(r) => Ok(Taken(Ok(r))),
+            // Shut down for reading: end of file, from nowhere.
+            None => Ok(Taken(Ok(rsocket::Received {
+                copied: 0,
+                len: 0,
+                from: SocketAddr::from(([0, 0, 0, 0], 0)),
+            }))),
+        }
+    });
+    let r = taken.0.ok()?;
+    // SAFETY: the caller's out-parameters (or NULL).
+    unsafe { write_addr(r.from, src, srclen) };
+    Some((r.copied, r.len))
+}
+
+/// recvfrom(2)'s count on UDP: the bytes copied, or the datagram's length with MSG_TRUNC.
+fn dgram_count(got: Option<(usize, usize)>, flags: c_int) -> isize {
+    match got {
+        None => -1,
+        Some((_, len)) if flags & libc::MSG_TRUNC != 0 => len as isize,
+        Some((copied, _)) => copied as isize,
+    }
+}
+
+/// A datagram receive into an iovec array (rrecvmsg, rreadv): into one datagram-sized buffer,
+/// then scattered. The count (as [`dgram_count`]) and whether the datagram was cut short.
+///
+/// # Safety
+/// As [`gather_iov`], for writes; `src`/`srclen` as `write_addr`.
+unsafe fn dgram_recv_iov(
+    name: &str,
+    d: &std::sync::Arc<rsocket::Datagram>,
+    iov: *const iovec,
+    iovcnt: c_int,
+    flags: c_int,
+    src: *mut sockaddr,
+    srclen: *mut socklen_t,
+) -> (isize, bool) {
+    if iovcnt < 0 || (iovcnt > 0 && iov.is_null()) || iovcnt > libc::UIO_MAXIOV {
+        return (fail(RsError::Os(libc::EINVAL)), false);
+    }
+    // SAFETY: the caller's iovecs.
+    let vs = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
+    if vs.iter().any(|v| v.iov_len > 0 && v.iov_base.is_null()) {
+        return (fail(RsError::Os(libc::EFAULT)), false);
+    }
+    let total = vs
+        .iter()
+        .fold(0usize, |t, v| t.saturating_add(v.iov_len))
+        .min(rsocket::MAX_DATAGRAM);
+    let mut tmp = vec![0u8; total];
+    // SAFETY: `tmp` holds `total` bytes; the caller's out-parameters.
+    let got = unsafe { dgram_recv(name, d, tmp.as_mut_ptr().cast(), total, flags, src, srclen) };
+    let Some((copied, len)) = got else {
+        return (-1, false);
+    };
+    let mut off = 0usize;
+    for v in vs {
+        let k = v.iov_len.min(copied - off);
+        if k > 0 {
+            // SAFETY: each iovec names `iov_len` writable bytes.
+            unsafe { std::ptr::copy_nonoverlapping(tmp.as_ptr().add(off), v.iov_base.cast(), k) };
+        }
+        off += k;
+    }
+    (dgram_count(got, flags), len > copied)
+}
+
+/// Sends `len` bytes at `buf` as one datagram to `dest` (None: the connected peer).
+///
+/// # Safety
+/// `buf` is valid for `len` bytes of reads (or `len` is 0).
+unsafe fn dgram_send(
+    name: &str,
+    d: &std::sync::Arc<rsocket::Datagram>,
+    buf: *const c_void,
+    len: usize,
+    flags: c_int,
+    dest: Option<SocketAddr>,
+) -> isize {
+    if len > 0 && buf.is_null() {
+        return fail(RsError::Os(libc::EFAULT));
+    }
+    let rs = Rsocket::Datagram(std::sync::Arc::clone(d));
+    let ptr = buf as usize;
+    run(name, &rs, flags & libc::MSG_DONTWAIT != 0, || {
+        let data: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller's buffer of `len` bytes (not NULL: checked above).
+            unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+        };
+        d.send(dest, data).map(|n| n as isize)
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn rrecv(
     socket: c_int,
@@ -447,6 +615,11 @@ pub unsafe extern "C-unwind" fn rrecvfrom(
     src_addr: *mut sockaddr,
     addrlen: *mut socklen_t,
 ) -> isize {
+    if let Some(d) = datagram(socket) {
+        // SAFETY: the caller's buffer and out-parameters.
+        let got = unsafe { dgram_recv("rrecvfrom", &d, buf, len, flags, src_addr, addrlen) };
+        return dgram_count(got, flags);
+    }
     // SAFETY: the caller's buffer.
     let n = unsafe { recv_into("rrecvfrom", socket, buf, len, flags) };
     if n >= 0
@@ -470,12 +643,35 @@ pub unsafe extern "C-unwind" fn rrecvmsg(socket: c_int, msg: *mut msghdr, flags:
     let Ok(iovlen) = c_int::try_from(m.msg_iovlen) else {
         return fail(RsError::Os(libc::EMSGSIZE));
     };
+    if let Some(d) = datagram(socket) {
+        let name = (
+            m.msg_name.cast::<sockaddr>(),
+            std::ptr::addr_of_mut!(m.msg_namelen),
+        );
+        let name = if m.msg_name.is_null() {
+            (std::ptr::null_mut(), std::ptr::null_mut())
+        } else {
+            name
+        };
+        // SAFETY: the caller's iovecs and name buffer.
+        let (n, truncated) =
+            unsafe { dgram_recv_iov("rrecvmsg", &d, m.msg_iov, iovlen, flags, name.0, name.1) };
+        if truncated {
+            m.msg_flags |= libc::MSG_TRUNC;
+        }
+        return n;
+    }
     // SAFETY: the caller's iovecs.
     unsafe { recv_iov("rrecvmsg", socket, m.msg_iov, iovlen, flags) }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn rreadv(socket: c_int, iov: *const iovec, iovcnt: c_int) -> isize {
+    if let Some(d) = datagram(socket) {
+        let none = std::ptr::null_mut();
+        // SAFETY: the caller's iovecs.
+        return unsafe { dgram_recv_iov("rreadv", &d, iov, iovcnt, 0, none, none.cast()) }.0;
+    }
     // SAFETY: the caller's iovecs.
     unsafe { recv_iov("rreadv", socket, iov, iovcnt, 0) }
 }
@@ -506,6 +702,19 @@ pub unsafe extern "C-unwind" fn rsendto(
     dest_addr: *const sockaddr,
     addrlen: socklen_t,
 ) -> isize {
+    if let Some(d) = datagram(socket) {
+        let dest = if dest_addr.is_null() {
+            None
+        } else {
+            // SAFETY: the caller's address of `addrlen` bytes.
+            match unsafe { read_addr(dest_addr, addrlen) } {
+                Ok(a) => Some(a),
+                Err(e) => return fail(e),
+            }
+        };
+        // SAFETY: the caller's buffer.
+        return unsafe { dgram_send("rsendto", &d, buf, len, flags, dest) };
+    }
     if !dest_addr.is_null() && stream(socket).is_ok() {
         // A connected stream socket ignores no address: sockets answer EISCONN.
         return fail(RsError::Os(libc::EISCONN));
@@ -529,6 +738,30 @@ pub unsafe extern "C-unwind" fn rsendmsg(socket: c_int, msg: *const msghdr, flag
         Ok(d) => d,
         Err(e) => return fail(e),
     };
+    if let Some(d) = datagram(socket) {
+        // SAFETY: the caller's msghdr.
+        let (name, namelen) = unsafe { ((*msg).msg_name, (*msg).msg_namelen) };
+        let dest = if name.is_null() {
+            None
+        } else {
+            // SAFETY: the caller's address of `msg_namelen` bytes.
+            match unsafe { read_addr(name.cast(), namelen) } {
+                Ok(a) => Some(a),
+                Err(e) => return fail(e),
+            }
+        };
+        // SAFETY: `data` is ours.
+        return unsafe {
+            dgram_send(
+                "rsendmsg",
+                &d,
+                data.as_ptr().cast(),
+                data.len(),
+                flags,
+                dest,
+            )
+        };
+    }
     // SAFETY: `data` is ours.
     unsafe { send_from("rsendmsg", socket, data.as_ptr().cast(), data.len(), flags) }
 }
@@ -554,7 +787,7 @@ pub unsafe extern "C" fn rgetpeername(
         if addr.is_null() || addrlen.is_null() {
             return fail(RsError::Os(libc::EFAULT));
         }
-        match stream(socket).and_then(|s| s.peer_addr()) {
+        match rsocket::lookup(socket).and_then(|s| s.peer_addr()) {
             // SAFETY: the caller's out-parameters.
             Ok(a) => unsafe { write_addr(a, addr, addrlen) },
             Err(e) => fail(e),

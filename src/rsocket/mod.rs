@@ -6,21 +6,28 @@
 //! * `stream.rs` — SOCK_STREAM: a CM id on an event channel of its own, an RC QP
 //!   (`transport.rs`) once connected; connect, listen/accept, send/recv, shutdown, close,
 //!   `riomap`/`riowrite`;
+//! * `datagram.rs` — SOCK_DGRAM: a UDP socket of its own (address, port, resolution) and a UD
+//!   QP (`ud.rs`) for the data;
 //! * `options.rs` — the socket options rsocket(7) lists.
 //!
-//! Every rsocket is named by a real file descriptor ugdr owns (its event channel's), so its
+//! Every rsocket is named by a real file descriptor ugdr owns (a stream's event channel, a
+//! datagram socket's UDP socket), so its
 //! number never collides with the application's own descriptors, and `rpoll`/`rselect` can
 //! mix both. Calls never block here: a call that would is answered [`RsError::Wait`] with
 //! the descriptors to wait on, and the C layer waits (cancellable) or answers EAGAIN.
 
 #![forbid(unsafe_code)]
 
+mod datagram;
 mod options;
 mod stream;
 mod transport;
+mod ud;
 
+pub use datagram::{Datagram, Received};
 pub use options::Options;
 pub use stream::Stream;
+pub use ud::MAX_PAYLOAD as MAX_DATAGRAM;
 
 use crate::cm::CmError;
 use crate::fake_verbs::VerbsError;
@@ -90,6 +97,7 @@ impl From<std::io::Error> for RsError {
 #[derive(Clone)]
 pub enum Rsocket {
     Stream(Arc<Stream>),
+    Datagram(Arc<Datagram>),
 }
 
 /// Every open rsocket, by descriptor.
@@ -109,6 +117,17 @@ pub fn lookup(fd: RawFd) -> Result<Rsocket, RsError> {
     table().get(&fd).cloned().ok_or(RsError::Os(libc::EBADF))
 }
 
+/// Every open datagram rsocket (for the resolution service, `datagram.rs`).
+fn datagrams() -> Vec<Arc<Datagram>> {
+    table()
+        .values()
+        .filter_map(|s| match s {
+            Rsocket::Datagram(d) => Some(Arc::clone(d)),
+            Rsocket::Stream(_) => None,
+        })
+        .collect()
+}
+
 /// Whether `fd` is an rsocket.
 pub fn is_rsocket(fd: RawFd) -> bool {
     table().contains_key(&fd)
@@ -126,8 +145,11 @@ pub fn socket(domain: i32, kind: i32, protocol: i32) -> Result<RawFd, RsError> {
             let s = Stream::new(nonblocking)?;
             Ok(insert(s.fd(), Rsocket::Stream(s)))
         }
-        // Datagram rsockets are not carried yet.
-        libc::SOCK_DGRAM => Err(RsError::Os(libc::EOPNOTSUPP)),
+        libc::SOCK_DGRAM if matches!(protocol, 0 | libc::IPPROTO_UDP) => {
+            let d = Datagram::new(domain, nonblocking)?;
+            Ok(insert(d.fd(), Rsocket::Datagram(d)))
+        }
+        libc::SOCK_DGRAM => Err(RsError::Os(libc::EPROTONOSUPPORT)),
         libc::SOCK_STREAM => Err(RsError::Os(libc::EPROTONOSUPPORT)),
         _ => Err(RsError::Os(libc::ESOCKTNOSUPPORT)),
     }
@@ -143,6 +165,7 @@ pub fn close(fd: RawFd) -> Result<(), RsError> {
     let s = table().remove(&fd).ok_or(RsError::Os(libc::EBADF))?;
     match s {
         Rsocket::Stream(s) => s.close(),
+        Rsocket::Datagram(d) => d.close(),
     }
     Ok(())
 }
@@ -151,12 +174,14 @@ impl Rsocket {
     pub fn is_nonblocking(&self) -> bool {
         match self {
             Rsocket::Stream(s) => s.is_nonblocking(),
+            Rsocket::Datagram(s) => s.is_nonblocking(),
         }
     }
 
     pub fn set_nonblocking(&self, on: bool) {
         match self {
             Rsocket::Stream(s) => s.set_nonblocking(on),
+            Rsocket::Datagram(s) => s.set_nonblocking(on),
         }
     }
 
@@ -164,30 +189,49 @@ impl Rsocket {
     pub fn poll(&self, events: i16) -> (i16, Wait) {
         match self {
             Rsocket::Stream(s) => s.poll(events),
+            Rsocket::Datagram(s) => s.poll(events),
         }
     }
 
     pub fn local_addr(&self) -> Result<std::net::SocketAddr, RsError> {
         match self {
             Rsocket::Stream(s) => s.local_addr(),
+            Rsocket::Datagram(s) => s.local_addr(),
         }
     }
 
     pub fn bind(&self, addr: std::net::SocketAddr) -> Result<(), RsError> {
         match self {
             Rsocket::Stream(s) => s.bind(addr),
+            Rsocket::Datagram(s) => s.bind(addr),
         }
     }
 
     pub fn setsockopt(&self, level: i32, name: i32, value: &[u8]) -> Result<(), RsError> {
         match self {
             Rsocket::Stream(s) => s.setsockopt(level, name, value),
+            Rsocket::Datagram(s) => s.setsockopt(level, name, value),
         }
     }
 
     pub fn getsockopt(&self, level: i32, name: i32) -> Result<Vec<u8>, RsError> {
         match self {
             Rsocket::Stream(s) => s.getsockopt(level, name),
+            Rsocket::Datagram(s) => s.getsockopt(level, name),
+        }
+    }
+
+    pub fn peer_addr(&self) -> Result<std::net::SocketAddr, RsError> {
+        match self {
+            Rsocket::Stream(s) => s.peer_addr(),
+            Rsocket::Datagram(s) => s.peer_addr(),
+        }
+    }
+
+    pub fn shutdown(&self, how: i32) -> Result<(), RsError> {
+        match self {
+            Rsocket::Stream(s) => s.shutdown(how),
+            Rsocket::Datagram(s) => s.shutdown(how),
         }
     }
 }

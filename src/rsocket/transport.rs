@@ -26,7 +26,7 @@ use crate::fake_verbs::qp_state::QpType;
 use crate::fake_verbs::work::{
     RecvRequest, SendOpcode, SendRequest, Sge, WC_WITH_IMM, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::ucp::{AppRegion, HostBuffer, gather, scatter};
+use crate::ucp::{AppRegion, HostBuffer, gather, gather_into, scatter};
 use smallvec::smallvec;
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
@@ -43,6 +43,11 @@ pub const MSG_IOUNMAP: u32 = 3;
 const MAGIC: u32 = 0x5547_5253;
 /// Send work-request ids: a slot number, or a credit write (which has none).
 const WR_CREDIT: u64 = u64::MAX;
+/// The credit word's registered area: whole pages (of any page size up to 64 KiB), so that
+/// registering it moves it onto shared memory and the peer's credit writes take the same-host
+/// direct path (`shared_memory::backing` shares whole pages only; an 8-byte region stayed
+/// private, ERANGE, and every credit write went as a message). The word is its first 8 bytes.
+const CREDIT_AREA: u64 = SEG as u64;
 /// Work requests kept free in the send queue for credit writes.
 const SQ_SPARE: u32 = 4;
 
@@ -61,6 +66,12 @@ fn device() -> Result<&'static Device, RsError> {
     let context = Arc::new(DeviceContext::new()?);
     let pd = ProtectionDomain::new(Arc::clone(&context));
     Ok(DEVICE.get_or_init(|| Device { context, pd }))
+}
+
+/// The device context and protection domain of every rsocket (datagram ones too).
+pub(super) fn context_and_pd() -> Result<(Arc<DeviceContext>, Arc<ProtectionDomain>), RsError> {
+    let d = device()?;
+    Ok((Arc::clone(&d.context), Arc::clone(&d.pd)))
 }
 
 /// The protection domain rsockets register memory in (`riomap`).
@@ -233,7 +244,7 @@ impl Conn {
         engine.register_qp(qp.qp_num, Arc::clone(&qp) as _);
         let send_off = u64::from(rq) * u64::from(SEG);
         let credit_off = send_off + u64::from(sq) * u64::from(SEG);
-        let mem = HostBuffer::new(credit_off + 8)?;
+        let mem = HostBuffer::new(credit_off + CREDIT_AREA)?;
         let region = |off: u64, len: u64| {
             mem.region(off, len)
                 .ok_or(RsError::Os(libc::EINVAL))
@@ -241,7 +252,7 @@ impl Conn {
         };
         let (base, ring) = region(0, credit_off)?;
         let ring_mr = MemoryRegion::register(&dev.pd, ring, base, ACCESS_LOCAL_WRITE)?;
-        let (credit_addr, credit) = region(credit_off, 8)?;
+        let (credit_addr, credit) = region(credit_off, CREDIT_AREA)?;
         let credit_mr = MemoryRegion::register(
             &dev.pd,
             credit,
@@ -542,9 +553,11 @@ impl Conn {
             let a = &self.ready[i];
             let n = ((a.len - a.read) as usize).min(buf.len() - done);
             let off = u64::from(a.slot) * u64::from(SEG) + u64::from(a.read);
-            let bytes = self.slot_bytes(off, n as u32);
-            buf[done..done + bytes.len()].copy_from_slice(&bytes);
-            done += bytes.len();
+            // One copy, from the receive ring straight into the caller's buffer.
+            done += match self.mem.span(off, n as u64) {
+                Some(span) => gather_into(&[span], &mut buf[done..done + n]),
+                None => 0,
+            };
             if peek {
                 i += 1;
                 continue;

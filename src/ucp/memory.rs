@@ -657,6 +657,28 @@ impl AppSpan {
     }
 }
 
+/// Copies the bytes of `spans`, in order, into `dst` (as many as fit); the bytes copied. A
+/// span whose region died reads as zeros. One copy, where [`gather`] would make a vector first.
+pub fn gather_into(spans: &[AppSpan], dst: &mut [u8]) -> usize {
+    let mut off = 0;
+    for s in spans {
+        if off == dst.len() {
+            break;
+        }
+        let n = s.len.min(dst.len() - off);
+        match s.hold() {
+            // SAFETY: as in `scatter`; the span is readable for `len` >= `n` bytes, and `dst`
+            // is a Rust slice of at least `off + n` bytes that cannot overlap ugdr's buffers.
+            Some(_held) => unsafe {
+                std::ptr::copy_nonoverlapping(s.as_ptr() as *const u8, dst.as_mut_ptr().add(off), n)
+            },
+            None => dst[off..off + n].fill(0),
+        }
+        off += n;
+    }
+    off
+}
+
 /// Holds every span (see [`AppSpan::hold`]); `None` if any of their regions died.
 pub fn hold_all(spans: &[AppSpan]) -> Option<smallvec::SmallVec<[Hold; 4]>> {
     spans.iter().map(AppSpan::hold).collect()
@@ -833,5 +855,29 @@ mod tests {
         assert_eq!(scatter(&[stale], &[9u8; 8]), 8);
         drop(later);
         assert_eq!(buf, vec![0u8; 16]);
+    }
+
+    #[test]
+    fn gather_into_copies_in_order_up_to_the_destination_and_reads_dead_spans_as_zeros() {
+        let a = [1u8, 2, 3];
+        let b = [4u8, 5];
+        let spans = [AppSpan::of_owned(&a), AppSpan::of_owned(&b)];
+        let mut out = [0xEEu8; 4];
+        assert_eq!(gather_into(&spans, &mut out), 4);
+        assert_eq!(out, [1, 2, 3, 4]);
+        let mut all = [0xEEu8; 8];
+        assert_eq!(gather_into(&spans, &mut all), 5);
+        assert_eq!(all, [1, 2, 3, 4, 5, 0xEE, 0xEE, 0xEE]);
+        let buf = HostBuffer::new(16).unwrap();
+        let region = buf.region(0, 16).unwrap();
+        let span = region.span(region.addr(), 16).unwrap();
+        scatter(&[span], &[7u8; 16]);
+        let mut live = [0u8; 16];
+        assert_eq!(gather_into(&[span], &mut live), 16);
+        assert_eq!(live, [7u8; 16]);
+        drop(region);
+        let mut dead = [0xEEu8; 16];
+        assert_eq!(gather_into(&[span], &mut dead), 16);
+        assert_eq!(dead, [0u8; 16]);
     }
 }

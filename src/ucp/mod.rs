@@ -22,7 +22,7 @@ pub use endpoint::{Endpoint, ErrorHandler, OwnedBytes, SendDone, SendPayload, Se
 pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
     AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, SpanList, anything_registered,
-    gather, hold_all, invalidate_range, scatter,
+    gather, gather_into, hold_all, invalidate_range, scatter,
 };
 pub use status::Error;
 pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};

@@ -129,14 +129,17 @@ static void eth_l2(struct ibv_context *ctx)
 
 static void rsockets(void)
 {
-    /* Stream rsockets are ugdr's own (tests/rsocket.rs); datagram rsockets are not carried
-     * yet and fail cleanly. A descriptor that is no rsocket is EBADF for every call, and
-     * real descriptors are left alone. */
+    /* Stream and datagram rsockets are ugdr's own (tests/rsocket.rs). A descriptor that is no
+     * rsocket is EBADF for every call, and real descriptors are left alone. */
     int rs = rsocket(AF_INET, SOCK_STREAM, 0);
     CHECK(rs >= 0, "rsocket(SOCK_STREAM)");
     CHECK(rclose(rs) == 0, "rclose");
     FAILS_WITH(rclose(rs), -1, EBADF);
-    FAILS_WITH(rsocket(AF_INET6, SOCK_DGRAM, 0), -1, EOPNOTSUPP);
+    rs = rsocket(AF_INET6, SOCK_DGRAM, 0);
+    CHECK(rs >= 0, "rsocket(SOCK_DGRAM)");
+    CHECK(rclose(rs) == 0, "rclose");
+    FAILS_WITH(rclose(rs), -1, EBADF);
+    FAILS_WITH(rsocket(AF_INET6, SOCK_DGRAM, IPPROTO_TCP), -1, EPROTONOSUPPORT);
     FAILS_WITH(rsocket(AF_UNIX, SOCK_STREAM, 0), -1, EAFNOSUPPORT);
     struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(1) };
     sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);

@@ -274,11 +274,11 @@ impl QueuePair {
         let (endpoint, mut header) = match (&req.ud, datagram_to) {
             (Some(ud), Some(endpoint)) => {
                 let endpoint = match endpoint {
-                    Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) => ep,
+                    Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) && !ep.failed() => ep,
                     _ => {
                         // C10-93.1.1: a UD message above the port's MTU emits no packet and
                         // is no error (rxe completes it successfully); neither is a datagram
-                        // to an address nobody answers to.
+                        // to an address nobody answers to (or whose process is gone).
                         tracing::debug!(
                             "qp {:#x}: datagram of {length} bytes to lid {:#06x} not sent",
                             self.qp_num,
@@ -323,6 +323,16 @@ impl QueuePair {
             header.rkey = req.rkey;
         }
         header.length = length as u32;
+        // A datagram is copied now and completes once it is handed to UCX, as a HCA completes
+        // a UD send when the packet leaves: a send UCX keeps pending forever (to a peer that
+        // exited with its shared-memory queue full) must not hold back the QP's later
+        // completions, which come in post order.
+        let payload = match payload {
+            SendPayload::Spans(spans) if self.qp_type == QpType::Ud => {
+                SendPayload::Owned(OwnedBytes::from_vec(crate::ucp::gather(&spans)))
+            }
+            p => p,
+        };
         match req.opcode {
             SendOpcode::AtomicFetchAndAdd => header.status = wire::ATOMIC_FETCH_ADD,
             SendOpcode::AtomicCmpAndSwp => header.status = wire::ATOMIC_CMP_SWAP,
@@ -370,8 +380,10 @@ impl QueuePair {
         payload: SendPayload,
         data_seq: Option<u32>,
     ) -> bool {
-        // UC and UD sends complete once UCX is done with the buffer: nothing acknowledges them.
+        // UC sends complete once UCX is done with the buffer: nothing acknowledges them. UD
+        // sends carry a copy (`post_send_locked`) and complete once handed to UCX.
         let unreliable = !self.qp_type.reliable();
+        let copied = self.qp_type == QpType::Ud;
         let result = match data_seq {
             Some(seq) => {
                 let me = Arc::clone(self);
@@ -381,6 +393,7 @@ impl QueuePair {
                     &header.encode(),
                     payload,
                     move |locked, result| match result {
+                        _ if copied => {}
                         Ok(()) if unreliable => me.sent(locked, seq),
                         Ok(()) => me.note_in_ucx(locked, seq, -1),
                         Err(e) => {
@@ -397,6 +410,7 @@ impl QueuePair {
             None => endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, |_, _| {}),
         };
         match (result, data_seq) {
+            (Ok(_), Some(seq)) if copied => self.sent(locked, seq),
             (Ok(SendState::Done), Some(seq)) if unreliable => self.sent(locked, seq),
             // UCX still holds its buffers: not a candidate for retransmission until it is done.
             (Ok(SendState::Pending), Some(seq)) if !unreliable => self.note_in_ucx(locked, seq, 1),
