@@ -221,7 +221,7 @@ pub const BUNDLE_MARK: u8 = 0xb0;
 pub const BUNDLE_FRAME: usize = 4 + HEADER_LEN;
 /// A bundle's body stays below this: one buffer of UCX's TCP transport (`UCX_TCP_TX_SEG_SIZE`,
 /// 8 KiB) less its own headers, so that UCX sends it in one piece.
-pub const BUNDLE_MAX: usize = 8192 - 128;
+pub const BUNDLE_MAX: usize = 65536 - 256;
 
 /// The AM header of a bundle.
 pub fn bundle_header() -> [u8; HEADER_LEN] {

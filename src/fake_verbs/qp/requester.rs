@@ -114,7 +114,11 @@ impl QueuePair {
                 self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq))
             }
             _ => {
-                let mut body = OwnedBytes::new();
+                let total = batch
+                    .iter()
+                    .map(|m| wire::BUNDLE_FRAME + m.payload.len())
+                    .sum();
+                let mut body = OwnedBytes::with_capacity(total);
                 for m in batch.iter() {
                     wire::push_bundle_frame(&mut body, &m.header, m.payload.len());
                     m.payload.append_to(&mut body);
