@@ -289,6 +289,7 @@ impl Engine {
                 qpn: remote_qpn,
                 lid: remote.lid,
                 memory: p.memory.clone(),
+                remote_host: p.local_pid.is_none(),
             });
         }
         let ep = self.gate.connect(
@@ -318,6 +319,7 @@ impl Engine {
             qpn: remote_qpn,
             lid: remote.lid,
             memory,
+            remote_host: remote.local_pid.is_none(),
         })
     }
 

@@ -70,8 +70,8 @@ impl QueuePair {
         posted
     }
 
-    /// Sends a WR list's messages in order: consecutive small ones to the same peer process
-    /// go as one bundle (`wire::bundle_header`), one UCX send — over TCP one syscall and one
+    /// Sends a WR list's messages in order: consecutive small ones to the same peer process on
+    /// another host go as one bundle (`wire::bundle_header`), one UCX send — over TCP one syscall and one
     /// segment instead of one per WR — the rest one by one. Stops once the QP failed.
     fn send_data_messages(
         self: &Arc<Self>,
@@ -82,7 +82,7 @@ impl QueuePair {
         let mut batch_bytes = 0;
         for m in messages {
             let len = wire::BUNDLE_FRAME + m.payload.len();
-            let fits = len <= wire::BUNDLE_MAX;
+            let fits = m.bundle && len <= wire::BUNDLE_MAX;
             let joins = fits
                 && batch.first().is_none_or(|b| {
                     Arc::ptr_eq(&b.endpoint, &m.endpoint) && batch_bytes + len <= wire::BUNDLE_MAX
@@ -323,7 +323,7 @@ impl QueuePair {
                 }
             }
         };
-        let (endpoint, mut header) = match (&req.ud, datagram_to) {
+        let (endpoint, mut header, bundle) = match (&req.ud, datagram_to) {
             (Some(ud), Some(endpoint)) => {
                 let endpoint = match endpoint {
                     Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) => ep,
@@ -345,7 +345,7 @@ impl QueuePair {
                 };
                 let header =
                     unreliable::datagram_header(ud, q.attrs.qkey, self.qp_num, self.local_lid, seq);
-                (endpoint, header)
+                (endpoint, header, false)
             }
             _ => {
                 let Some(peer) = q.peer.clone() else {
@@ -356,7 +356,7 @@ impl QueuePair {
                 if self.qp_type == QpType::Uc {
                     header.flags |= wire::FLAG_UNRELIABLE;
                 }
-                (peer.endpoint, header)
+                (peer.endpoint, header, peer.remote_host)
             }
         };
         if matches!(
@@ -408,6 +408,7 @@ impl QueuePair {
             header,
             payload,
             seq,
+            bundle,
         }))
     }
 
