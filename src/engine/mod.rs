@@ -291,6 +291,7 @@ impl Engine {
                 qpn: remote_qpn,
                 lid: remote.lid,
                 memory: p.memory.clone(),
+                remote_host: p.local_pid.is_none(),
             });
         }
         let ep = self.gate.connect(
@@ -320,6 +321,7 @@ impl Engine {
             qpn: remote_qpn,
             lid: remote.lid,
             memory,
+            remote_host: remote.local_pid.is_none(),
         })
     }
 
@@ -438,6 +440,9 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
     let Some(header) = engine.gate.admit(header) else {
         return false;
     };
+    if wire::is_bundle_header(header) {
+        return deliver_bundle(engine, locked, payload);
+    }
     let Some(h) = wire::Header::decode(header) else {
         tracing::warn!(
             "dropping a message with an unknown header ({} bytes)",
@@ -445,6 +450,41 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
         );
         return false;
     };
+    deliver(engine, locked, h, payload)
+}
+
+/// A bundle (`wire::bundle_header`): its messages, delivered in order as if each had come
+/// alone. Nothing of it is kept (a receiver that keeps a message copies it).
+fn deliver_bundle(engine: &Engine, locked: &LockedWorker<'_>, payload: AmPayload<'_>) -> bool {
+    let body = match &payload {
+        AmPayload::Transient(b) => *b,
+        AmPayload::Persistent(data) => data.bytes(),
+        // Bundles are sent eager (Endpoint::am_send_eager).
+        AmPayload::Rendezvous(_) => {
+            tracing::warn!("dropping a bundle sent by rendezvous");
+            return false;
+        }
+    };
+    for message in wire::bundle_messages(body) {
+        match message {
+            Ok((h, bytes)) => {
+                deliver(engine, locked, h, AmPayload::Transient(bytes));
+            }
+            Err(left) => {
+                tracing::warn!("dropping the last {left} bytes of a bundle: a bad frame");
+            }
+        }
+    }
+    false
+}
+
+/// Hands an admitted message to its receiver; true when the payload's data was kept.
+fn deliver(
+    engine: &Engine,
+    locked: &LockedWorker<'_>,
+    h: wire::Header,
+    payload: AmPayload<'_>,
+) -> bool {
     if h.flags & wire::FLAG_MULTICAST != 0 {
         return engine.multicast_arrived(locked, h, payload);
     }

@@ -212,6 +212,70 @@ impl Header {
     }
 }
 
+/// A *bundle*: several small messages to one peer process in one UCP active message, so that a WR list costs one UCX send — over TCP one `sendmsg` and one
+/// segment — instead of one per WR (SPDK posts ten WRs in a list). Its AM header is a
+/// [`HEADER_LEN`]-byte bundle header (version, [`BUNDLE_MARK`] where a message's opcode is,
+/// then zeros; the endpoint's token follows, as on every message); its body is the messages in order, each framed as
+/// a 4-byte little-endian payload length, its own header, then the payload. The receiver
+/// delivers them in that order, as if each had come alone. Bundles go eager, never by
+/// rendezvous.
+pub const BUNDLE_MARK: u8 = 0xb0;
+/// The bytes one message adds to a bundle besides its payload.
+pub const BUNDLE_FRAME: usize = 4 + HEADER_LEN;
+/// A bundle's body stays below this: one buffer of UCX's TCP transport (`UCX_TCP_TX_SEG_SIZE`,
+/// 8 KiB) less its own headers, so that UCX sends it in one piece.
+pub const BUNDLE_MAX: usize = 65536 - 256;
+
+/// The AM header of a bundle.
+pub fn bundle_header() -> [u8; HEADER_LEN] {
+    let mut b = [0u8; HEADER_LEN];
+    b[0] = VERSION;
+    b[1] = BUNDLE_MARK;
+    b
+}
+
+/// Whether `b` (an admitted AM header) is a bundle header.
+pub fn is_bundle_header(b: &[u8]) -> bool {
+    b.len() == HEADER_LEN && b[0] == VERSION && b[1] == BUNDLE_MARK
+}
+
+/// Appends the frame of one message to a bundle's body; its `payload_len` bytes follow.
+pub fn push_bundle_frame(out: &mut crate::ucp::OwnedBytes, header: &Header, payload_len: usize) {
+    out.extend_from_slice(&(payload_len as u32).to_le_bytes());
+    out.extend_from_slice(&header.encode());
+}
+
+/// The messages of a bundle's body, in order; a malformed frame (a bad header, a length past
+/// the end) ends the walk (`Err`: what was left).
+pub fn bundle_messages(body: &[u8]) -> impl Iterator<Item = Result<(Header, &[u8]), usize>> {
+    let mut rest = body;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let parsed = (rest.len() >= BUNDLE_FRAME)
+            .then(|| {
+                let len = u32::from_le_bytes(rest[..4].try_into().ok()?) as usize;
+                let header = Header::decode(&rest[4..BUNDLE_FRAME])?;
+                let end = BUNDLE_FRAME.checked_add(len).filter(|&e| e <= rest.len())?;
+                Some((header, end))
+            })
+            .flatten();
+        match parsed {
+            Some((header, end)) => {
+                let payload = &rest[BUNDLE_FRAME..end];
+                rest = &rest[end..];
+                Some(Ok((header, payload)))
+            }
+            None => {
+                let left = rest.len();
+                rest = &[];
+                Some(Err(left))
+            }
+        }
+    })
+}
+
 /// Packet sequence numbers are 24 bits, as InfiniBand's (`sq_psn`, `rq_psn`).
 pub const PSN_MASK: u32 = 0x00ff_ffff;
 
@@ -272,6 +336,33 @@ mod tests {
         let mut unknown = b;
         unknown[1] = 0x7f;
         assert!(Header::decode(&unknown).is_none());
+    }
+
+    #[test]
+    fn a_bundle_gives_back_its_messages_in_order_and_stops_at_a_bad_frame() {
+        let a = Header::new(Op::Send, 1, 2, 3, 4);
+        let mut b = Header::new(Op::ReadRequest, 5, 6, 7, 8);
+        b.length = 4096;
+        let mut body = crate::ucp::OwnedBytes::new();
+        push_bundle_frame(&mut body, &a, 3);
+        body.extend_from_slice(b"abc");
+        push_bundle_frame(&mut body, &b, 0);
+        let got: Vec<_> = bundle_messages(&body).collect();
+        assert_eq!(got, vec![Ok((a, &b"abc"[..])), Ok((b, &[][..]))]);
+        assert!(is_bundle_header(&bundle_header()));
+        assert!(!is_bundle_header(&a.encode()));
+        // A length past the end, or a header that does not decode, ends the walk.
+        let mut long = crate::ucp::OwnedBytes::new();
+        push_bundle_frame(&mut long, &a, 10);
+        long.extend_from_slice(b"abc");
+        let got: Vec<_> = bundle_messages(&long).collect();
+        assert_eq!(got, vec![Err(BUNDLE_FRAME + 3)]);
+        let mut bad = body.clone();
+        bad[5] = 0x7f; // the first message's opcode
+        assert_eq!(
+            bundle_messages(&bad).collect::<Vec<_>>(),
+            vec![Err(body.len())]
+        );
     }
 
     #[test]

@@ -24,6 +24,31 @@ pub enum SendPayload {
     Owned(OwnedBytes),
 }
 
+impl SendPayload {
+    /// The bytes it carries.
+    pub fn len(&self) -> usize {
+        match self {
+            SendPayload::None => 0,
+            SendPayload::Spans(spans) => spans.iter().map(AppSpan::len).sum(),
+            SendPayload::Owned(bytes) => bytes.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends its bytes to `out` (spans whose region died read as zeros, as they would
+    /// on the wire).
+    pub fn append_to(&self, out: &mut OwnedBytes) {
+        match self {
+            SendPayload::None => {}
+            SendPayload::Spans(spans) => super::memory::gather_append(spans, out),
+            SendPayload::Owned(bytes) => out.extend_from_slice(bytes),
+        }
+    }
+}
+
 /// What runs when an endpoint fails (under the worker lock, from progress).
 pub type ErrorHandler = Box<dyn Fn(&LockedWorker<'_>, Error) + Send + Sync>;
 
@@ -187,6 +212,38 @@ impl Endpoint {
     where
         F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
     {
+        self.am_send_with(locked, id, header, payload, done, 0)
+    }
+
+    /// As [`Endpoint::am_send`], but never by rendezvous: the receiver gets the whole
+    /// message in its handler, whatever its size (UCX sends a large one in fragments).
+    pub fn am_send_eager<F>(
+        &self,
+        locked: &LockedWorker<'_>,
+        id: u32,
+        header: &[u8],
+        payload: SendPayload,
+        done: F,
+    ) -> Result<SendState, Error>
+    where
+        F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
+    {
+        let eager = sys::ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER.0;
+        self.am_send_with(locked, id, header, payload, done, eager)
+    }
+
+    fn am_send_with<F>(
+        &self,
+        locked: &LockedWorker<'_>,
+        id: u32,
+        header: &[u8],
+        payload: SendPayload,
+        done: F,
+        flags: u32,
+    ) -> Result<SendState, Error>
+    where
+        F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
+    {
         // Application spans stay held while UCX may read them; spans whose region died since
         // they were checked read as zeros (see `memory`).
         let (payload, held) = match payload {
@@ -202,13 +259,7 @@ impl Endpoint {
             },
             other => (other, SmallVec::new()),
         };
-        let len = header.len()
-            + self.trailer.len()
-            + match &payload {
-                SendPayload::None => 0,
-                SendPayload::Spans(spans) => spans.iter().map(|s| s.len()).sum(),
-                SendPayload::Owned(bytes) => bytes.len(),
-            };
+        let len = header.len() + self.trailer.len() + payload.len();
         if len <= IMMEDIATE_MAX
             && let Some(done_now) = self.send_immediate(id, header, &payload)
         {
@@ -231,7 +282,9 @@ impl Endpoint {
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA.0
-                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0,
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0
+                | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
+            flags,
             cb: sys::ucp_request_param_t__bindgen_ty_1 {
                 send: Some(send_callback),
             },

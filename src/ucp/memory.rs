@@ -708,19 +708,35 @@ pub fn scatter(spans: &[AppSpan], src: &[u8]) -> usize {
 /// Copies the bytes of `spans`, in order, into a new vector (inline sends, staging); a span
 /// whose region died reads as zeros.
 pub fn gather(spans: &[AppSpan]) -> Vec<u8> {
-    let total = spans.iter().map(|s| s.len).sum();
-    let mut out = Vec::with_capacity(total);
+    let mut out = Vec::with_capacity(spans.iter().map(|s| s.len).sum());
+    for_each_gathered(spans, |bytes, len| match bytes {
+        Some(b) => out.extend_from_slice(b),
+        None => out.resize(out.len() + len, 0),
+    });
+    out
+}
+
+/// As [`gather`], appending to `out` (a bundle's body).
+pub fn gather_append(spans: &[AppSpan], out: &mut smallvec::SmallVec<[u8; 64]>) {
+    for_each_gathered(spans, |bytes, len| match bytes {
+        Some(b) => out.extend_from_slice(b),
+        None => out.resize(out.len() + len, 0),
+    });
+}
+
+/// Hands each span's bytes to `f` while its region is held (None, with the length, for a
+/// span whose region died).
+fn for_each_gathered(spans: &[AppSpan], mut f: impl FnMut(Option<&[u8]>, usize)) {
     for s in spans {
         match s.hold() {
             Some(_held) => {
                 // SAFETY: as in `scatter`; the span is readable for `len` bytes.
                 let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, s.len) };
-                out.extend_from_slice(bytes);
+                f(Some(bytes), s.len);
             }
-            None => out.resize(out.len() + s.len, 0),
+            None => f(None, s.len),
         }
     }
-    out
 }
 
 #[cfg(test)]

@@ -143,6 +143,8 @@ pub(super) struct DataMessage {
     pub(super) header: Header,
     pub(super) payload: SendPayload,
     pub(super) seq: u32,
+    /// It may travel in a bundle with the list's other messages (`Peer::remote_host`).
+    pub(super) bundle: bool,
 }
 
 /// What runs when a rendezvous body landed: `QueuePair::on_landed` (responder) or

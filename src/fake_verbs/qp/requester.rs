@@ -15,6 +15,9 @@ use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendS
 use smallvec::SmallVec;
 use std::sync::Arc;
 
+/// The data messages (by PSN) one UCX send carries.
+type Seqs = SmallVec<[u32; 8]>;
+
 impl QueuePair {
     /// Posts one send WR. Errors are the ones `ibv_post_send` returns (the WR is not queued);
     /// failures found while executing it become error completions instead.
@@ -63,12 +66,76 @@ impl QueuePair {
         });
         // The messages themselves are sent straight from here (the hot path), the queue lock
         // released; anything else the posts queued went through the outbox.
-        for m in first.into_iter().chain(rest) {
-            if !self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq)) {
-                break; // the QP failed: what follows was flushed
+        self.send_data_messages(locked, first.into_iter().chain(rest));
+        posted
+    }
+
+    /// Sends a WR list's messages in order: consecutive small ones to the same peer process on
+    /// another host go as one bundle (`wire::bundle_header`), one UCX send — over TCP one syscall and one
+    /// segment instead of one per WR — the rest one by one. Stops once the QP failed.
+    fn send_data_messages(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        messages: impl Iterator<Item = DataMessage>,
+    ) {
+        let mut batch: SmallVec<[DataMessage; 8]> = SmallVec::new();
+        let mut batch_bytes = 0;
+        for m in messages {
+            let len = wire::BUNDLE_FRAME + m.payload.len();
+            let fits = m.bundle && len <= wire::BUNDLE_MAX;
+            let joins = fits
+                && batch.first().is_none_or(|b| {
+                    Arc::ptr_eq(&b.endpoint, &m.endpoint) && batch_bytes + len <= wire::BUNDLE_MAX
+                });
+            if !joins && !self.send_batch(locked, &mut batch) {
+                return;
+            }
+            if fits {
+                batch_bytes = if joins { batch_bytes + len } else { len };
+                batch.push(m);
+            } else if !self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq)) {
+                return; // the QP failed: what follows was flushed
             }
         }
-        posted
+        self.send_batch(locked, &mut batch);
+    }
+
+    /// Sends and empties `batch` (one message alone, several as a bundle); false when the QP
+    /// failed.
+    fn send_batch(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        batch: &mut SmallVec<[DataMessage; 8]>,
+    ) -> bool {
+        match batch.len() {
+            0 => true,
+            1 => {
+                let m = batch.pop().expect("one message");
+                self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq))
+            }
+            _ => {
+                let total = batch
+                    .iter()
+                    .map(|m| wire::BUNDLE_FRAME + m.payload.len())
+                    .sum();
+                let mut body = OwnedBytes::with_capacity(total);
+                for m in batch.iter() {
+                    wire::push_bundle_frame(&mut body, &m.header, m.payload.len());
+                    m.payload.append_to(&mut body);
+                }
+                let seqs: Seqs = batch.iter().map(|m| m.seq).collect();
+                let endpoint = Arc::clone(&batch[0].endpoint);
+                batch.clear();
+                self.start_send_many(
+                    locked,
+                    &endpoint,
+                    true,
+                    &wire::bundle_header(),
+                    SendPayload::Owned(body),
+                    seqs,
+                )
+            }
+        }
     }
 
     /// Posts one UD send WR.
@@ -271,7 +338,7 @@ impl QueuePair {
                 }
             }
         };
-        let (endpoint, mut header) = match (&req.ud, datagram_to) {
+        let (endpoint, mut header, bundle) = match (&req.ud, datagram_to) {
             (Some(ud), Some(endpoint)) => {
                 let endpoint = match endpoint {
                     Some(ep) if length <= u64::from(device::ACTIVE_MTU_BYTES) && !ep.failed() => ep,
@@ -293,7 +360,7 @@ impl QueuePair {
                 };
                 let header =
                     unreliable::datagram_header(ud, q.attrs.qkey, self.qp_num, self.local_lid, seq);
-                (endpoint, header)
+                (endpoint, header, false)
             }
             _ => {
                 let Some(peer) = q.peer.clone() else {
@@ -304,7 +371,7 @@ impl QueuePair {
                 if self.qp_type == QpType::Uc {
                     header.flags |= wire::FLAG_UNRELIABLE;
                 }
-                (peer.endpoint, header)
+                (peer.endpoint, header, peer.remote_host)
             }
         };
         if matches!(
@@ -367,6 +434,7 @@ impl QueuePair {
             header,
             payload,
             seq,
+            bundle,
         }))
     }
 
@@ -380,20 +448,37 @@ impl QueuePair {
         payload: SendPayload,
         data_seq: Option<u32>,
     ) -> bool {
+        let seqs: Seqs = data_seq.into_iter().collect();
+        self.start_send_many(locked, endpoint, false, &header.encode(), payload, seqs)
+    }
+
+    /// Hands UCX one active message that carries the data messages `seqs` of this QP (none:
+    /// an ACK or an answer), alone or as a `bundle` (sent eager); false when an RC data message could not
+    /// be sent (the QP failed).
+    fn start_send_many(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        endpoint: &Endpoint,
+        bundle: bool,
+        header: &[u8],
+        payload: SendPayload,
+        seqs: Seqs,
+    ) -> bool {
         // UC sends complete once UCX is done with the buffer: nothing acknowledges them. UD
         // sends carry a copy (`post_send_locked`) and complete once handed to UCX.
         let unreliable = !self.qp_type.reliable();
         let copied = self.qp_type == QpType::Ud;
-        let result = match data_seq {
-            Some(seq) => {
-                let me = Arc::clone(self);
-                endpoint.am_send(
-                    locked,
-                    wire::AM_ID,
-                    &header.encode(),
-                    payload,
-                    move |locked, result| match result {
-                        _ if copied => {}
+        let result = if seqs.is_empty() {
+            endpoint.am_send(locked, wire::AM_ID, header, payload, |_, _| {})
+        } else {
+            let me = Arc::clone(self);
+            let done_seqs = seqs.clone();
+            let done = move |locked: &LockedWorker<'_>, result: Result<(), crate::ucp::Error>| {
+                if copied {
+                    return; // completed when handed over
+                }
+                for &seq in &done_seqs {
+                    match &result {
                         Ok(()) if unreliable => me.sent(locked, seq),
                         Ok(()) => me.note_in_ucx(locked, seq, -1),
                         Err(e) => {
@@ -401,29 +486,36 @@ impl QueuePair {
                             if unreliable {
                                 me.sent(locked, seq);
                             } else {
+                                // The first failure fails the QP and flushes the rest.
                                 me.fail_send(locked, seq, WcStatus::RetryExcErr);
+                                return;
                             }
                         }
-                    },
-                )
+                    }
+                }
+            };
+            if bundle {
+                endpoint.am_send_eager(locked, wire::AM_ID, header, payload, done)
+            } else {
+                endpoint.am_send(locked, wire::AM_ID, header, payload, done)
             }
-            None => endpoint.am_send(locked, wire::AM_ID, &header.encode(), payload, |_, _| {}),
         };
-        match (result, data_seq) {
-            (Ok(_), Some(seq)) if copied => self.sent(locked, seq),
-            (Ok(SendState::Done), Some(seq)) if unreliable => self.sent(locked, seq),
+        match result {
+            Ok(_) if copied => seqs.iter().for_each(|&s| self.sent(locked, s)),
+            Ok(SendState::Done) if unreliable => seqs.iter().for_each(|&s| self.sent(locked, s)),
             // UCX still holds its buffers: not a candidate for retransmission until it is done.
-            (Ok(SendState::Pending), Some(seq)) if !unreliable => self.note_in_ucx(locked, seq, 1),
-            (Ok(_), _) | (Err(_), None) => {}
-            (Err(e), Some(seq)) => {
-                tracing::debug!(
-                    "qp {:#x}: cannot send {:?} seq {seq}: {e}",
-                    self.qp_num,
-                    header.op,
-                );
+            Ok(SendState::Pending) if !unreliable => {
+                seqs.iter().for_each(|&s| self.note_in_ucx(locked, s, 1))
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let Some(&seq) = seqs.first() else {
+                    return true;
+                };
+                tracing::debug!("qp {:#x}: cannot send seq {seq}: {e}", self.qp_num);
                 if unreliable {
                     // Lost on the way, as an unreliable transport may lose it.
-                    self.sent(locked, seq);
+                    seqs.iter().for_each(|&s| self.sent(locked, s));
                 } else {
                     self.fail_send(locked, seq, WcStatus::RetryExcErr);
                     return false;
