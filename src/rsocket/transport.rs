@@ -211,37 +211,55 @@ pub struct Conn {
     pub remote_maps: Vec<RemoteMap>,
 }
 
+/// What [`own_qp`] makes: the completion channel, the CQ and the QP.
+pub(super) type OwnQp = (Arc<CompletionChannel>, Arc<CompletionQueue>, Arc<QueuePair>);
+
+/// A QP of ugdr's own for an rsocket (`qp_type`, `sq` sends with up to `inline` bytes inline,
+/// `rq` receives, one SGE each) on a CQ of its own with a completion channel, registered with
+/// the engine so that its messages reach it.
+pub(super) fn own_qp(
+    context: &Arc<DeviceContext>,
+    pd: &Arc<ProtectionDomain>,
+    qp_type: QpType,
+    sq: u32,
+    rq: u32,
+    inline: u32,
+) -> Result<OwnQp, RsError> {
+    let engine = Engine::get().map_err(|e| RsError::from(VerbsError::from(e)))?;
+    let comp = CompletionChannel::new(Arc::clone(context))?;
+    let cq = CompletionQueue::new(
+        Arc::clone(context),
+        (rq + sq) as usize * 2,
+        Some(Arc::clone(&comp)),
+    );
+    let caps = QpCaps::grant(QpCaps {
+        max_send_wr: sq,
+        max_recv_wr: rq,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: inline,
+    })?;
+    let qp = QueuePair::new(
+        engine.allocate_qpn(),
+        qp_type,
+        Arc::clone(pd),
+        Arc::clone(&cq),
+        Arc::clone(&cq),
+        None,
+        false,
+        caps,
+        engine.lid,
+    )?;
+    engine.register_qp(qp.qp_num, Arc::clone(&qp) as _);
+    Ok((comp, cq, qp))
+}
+
 impl Conn {
     /// A QP with `rq` receives of [`SEG`] bytes and `sq` send slots, in INIT on `id` with
     /// every receive posted.
     pub fn new(id: &Arc<CmId>, rq: u32, sq: u32) -> Result<Conn, RsError> {
         let dev = device()?;
-        let engine = Engine::get().map_err(|e| RsError::from(VerbsError::from(e)))?;
-        let comp = CompletionChannel::new(Arc::clone(&dev.context))?;
-        let cq = CompletionQueue::new(
-            Arc::clone(&dev.context),
-            (rq + sq + SQ_SPARE) as usize * 2,
-            Some(Arc::clone(&comp)),
-        );
-        let caps = QpCaps::grant(QpCaps {
-            max_send_wr: sq + SQ_SPARE,
-            max_recv_wr: rq,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 64,
-        })?;
-        let qp = QueuePair::new(
-            engine.allocate_qpn(),
-            QpType::Rc,
-            Arc::clone(&dev.pd),
-            Arc::clone(&cq),
-            Arc::clone(&cq),
-            None,
-            false,
-            caps,
-            engine.lid,
-        )?;
-        engine.register_qp(qp.qp_num, Arc::clone(&qp) as _);
+        let (comp, cq, qp) = own_qp(&dev.context, &dev.pd, QpType::Rc, sq + SQ_SPARE, rq, 64)?;
         let send_off = u64::from(rq) * u64::from(SEG);
         let credit_off = send_off + u64::from(sq) * u64::from(SEG);
         let mem = HostBuffer::new(credit_off + CREDIT_AREA)?;

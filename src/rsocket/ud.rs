@@ -13,9 +13,7 @@ use crate::fake_verbs::cq::{CompletionChannel, CompletionQueue};
 use crate::fake_verbs::device::{ACTIVE_MTU_BYTES, GRH_LEN};
 use crate::fake_verbs::mr::{ACCESS_LOCAL_WRITE, MemoryRegion};
 use crate::fake_verbs::pd::ProtectionDomain;
-use crate::fake_verbs::qp::{
-    AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps, QueuePair,
-};
+use crate::fake_verbs::qp::{AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QueuePair};
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
 use crate::fake_verbs::work::{
     RecvRequest, SendOpcode, SendRequest, Sge, UdDestination, WorkCompletion,
@@ -109,32 +107,7 @@ impl UdPort {
     /// A UD QP in RTS with `rq` receives posted and `sq` send slots.
     pub fn new(rq: u32, sq: u32) -> Result<UdPort, RsError> {
         let (context, pd) = super::transport::context_and_pd()?;
-        let engine = Engine::get().map_err(|e| RsError::from(VerbsError::from(e)))?;
-        let comp = CompletionChannel::new(Arc::clone(&context))?;
-        let cq = CompletionQueue::new(
-            Arc::clone(&context),
-            (rq + sq) as usize * 2,
-            Some(Arc::clone(&comp)),
-        );
-        let caps = QpCaps::grant(QpCaps {
-            max_send_wr: sq,
-            max_recv_wr: rq,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        })?;
-        let qp = QueuePair::new(
-            engine.allocate_qpn(),
-            QpType::Ud,
-            Arc::clone(&pd),
-            Arc::clone(&cq),
-            Arc::clone(&cq),
-            None,
-            false,
-            caps,
-            engine.lid,
-        )?;
-        engine.register_qp(qp.qp_num, Arc::clone(&qp) as _);
+        let (comp, cq, qp) = super::transport::own_qp(&context, &pd, QpType::Ud, sq, rq, 0)?;
         let send_off = u64::from(rq) * RECV_SLOT;
         let len = send_off + u64::from(sq) * SEND_SLOT;
         let mem = HostBuffer::new(len)?;
