@@ -585,6 +585,8 @@ const HOSTILE_QPN: u32 = 0x00ab_cdef;
 ///   `connect LID QPN`           opens an endpoint to port LID's process, for QP QPN
 ///   `response PSN LEN`          a READ response of LEN bytes of 0xab with PSN PSN, as
 ///                               QP [`HOSTILE_QPN`] of its own port
+///   `fetch_add PSN ADDR RKEY`   an atomic fetch-and-add of 1 at ADDR with PSN PSN (a
+///                               request, as QP [`HOSTILE_QPN`]); ADDR may be misaligned
 /// Prints `hostile lid=L` at start and `ok` after each command.
 #[test]
 #[ignore = "the hostile peer process of other tests"]
@@ -606,19 +608,25 @@ fn hostile_peer_process() {
                 let locked = engine.worker.lock();
                 peer = Some(engine.connect(&locked, &resolved, qpn).expect("connect"));
             }
-            "response" => {
+            "response" | "fetch_add" => {
                 let peer = peer.as_ref().expect("connected first");
-                let h = Header::new(
-                    Op::ReadResponse,
-                    qpn,
-                    HOSTILE_QPN,
-                    engine.lid,
-                    num(1) as u32,
-                );
+                let atomic = w[0] == "fetch_add";
+                let op = if atomic { Op::Atomic } else { Op::ReadResponse };
+                let mut h = Header::new(op, qpn, HOSTILE_QPN, engine.lid, num(1) as u32);
+                let payload = if atomic {
+                    h.status = ugdr::engine::wire::ATOMIC_FETCH_ADD;
+                    h.remote_addr = num(2);
+                    h.rkey = num(3) as u32;
+                    h.length = 8;
+                    let mut operands = 1u64.to_le_bytes().to_vec();
+                    operands.extend_from_slice(&0u64.to_le_bytes());
+                    SendPayload::Owned(OwnedBytes::from_vec(operands))
+                } else {
+                    SendPayload::Owned(OwnedBytes::from_elem(0xab, num(2) as usize))
+                };
                 let sent = Arc::new(std::sync::atomic::AtomicBool::new(false));
                 let done = Arc::clone(&sent);
                 let locked = engine.worker.lock();
-                let payload = SendPayload::Owned(OwnedBytes::from_elem(0xab, num(2) as usize));
                 peer.endpoint
                     .am_send(&locked, AM_ID, &h.encode(), payload, move |_, _| {
                         done.store(true, std::sync::atomic::Ordering::Release)
@@ -752,6 +760,76 @@ fn a_read_response_longer_than_the_read_is_a_bad_response_and_writes_nothing() {
     assert_eq!(got, [expected], "{}", victim.stderr());
     assert_eq!(
         victim.uniform_bytes(RECV_HALF, 4096),
+        Some(0x11),
+        "the victim's memory"
+    );
+}
+
+#[test]
+fn a_read_response_shorter_than_the_read_is_a_bad_response_and_writes_nothing() {
+    const WC_BAD_RESP_ERR: u32 = 7;
+    const WC_OP_RDMA_READ: u32 = 2;
+    let mut victim = QpPeer::local("victim", 0x11);
+    let mut hostile = Hostile::start();
+    victim.connect(hostile.lid, HOSTILE_QPN, 0, 300, 7, 7);
+    hostile.cmd(&format!("connect {} {}", victim.lid, victim.qpn));
+    // A 4 KiB READ, answered (with its PSN, from the connected peer) by 8 bytes: a
+    // successful completion would leave the rest of the buffer as it was.
+    victim.cmd("read 1 1234 4096 4096");
+    hostile.cmd("response 300 8");
+    let got = victim.poll(1, Duration::from_secs(10));
+    let expected = Wc {
+        wr_id: 1,
+        status: WC_BAD_RESP_ERR,
+        opcode: WC_OP_RDMA_READ,
+        byte_len: 0,
+        qp_num: victim.qpn,
+        src_qp: 0,
+        slid: 0,
+    };
+    assert_eq!(got, [expected], "{}", victim.stderr());
+    assert_eq!(
+        victim.uniform_bytes(RECV_HALF, 4096),
+        Some(0x11),
+        "the victim's memory"
+    );
+    assert_eq!(victim.cmd("state"), ["state 6"], "the QP is in ERR");
+}
+
+#[test]
+fn a_misaligned_atomic_from_the_peer_is_an_invalid_request_not_a_silent_drop() {
+    let mut victim = QpPeer::local("victim", 0x11);
+    let mut hostile = Hostile::start();
+    victim.connect(hostile.lid, HOSTILE_QPN, 40, 0, 7, 7);
+    hostile.cmd(&format!("connect {} {}", victim.lid, victim.qpn));
+    // An aligned fetch-and-add with the victim's rkey takes effect (the path is open)...
+    hostile.cmd(&format!(
+        "fetch_add 40 {} {}",
+        victim.addr + 64,
+        victim.rkey
+    ));
+    let until = Instant::now() + Duration::from_secs(10);
+    while victim.uniform_bytes(64, 1) != Some(0x12) {
+        assert!(Instant::now() < until, "the aligned atomic never landed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(victim.uniform_bytes(65, 7), Some(0x11));
+    assert_eq!(victim.cmd("state"), ["state 3"], "the QP is still in RTS");
+    // ...a misaligned one (inside the same MR, key and access fine) is refused: the QP goes
+    // to ERR (the requester would see REM_INV_REQ_ERR) and the memory stays as it was. Before,
+    // the responder dropped it unanswered, and the QP stayed in RTS.
+    hostile.cmd(&format!(
+        "fetch_add 41 {} {}",
+        victim.addr + 132,
+        victim.rkey
+    ));
+    let until = Instant::now() + Duration::from_secs(10);
+    while victim.cmd("state") != ["state 6"] {
+        assert!(Instant::now() < until, "the QP never left RTS");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        victim.uniform_bytes(128, 16),
         Some(0x11),
         "the victim's memory"
     );

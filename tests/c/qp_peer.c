@@ -183,7 +183,8 @@ int main(int argc, char **argv)
     CHECK(buf, "buffer");
     memset(buf, (int)strtol(argv[1], NULL, 0), BUF_LEN);
     mr = ibv_reg_mr(pd, buf, BUF_LEN,
-                    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+                    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                    IBV_ACCESS_REMOTE_ATOMIC);
     CHECK(mr, "reg_mr: %s", strerror(errno));
     printf("ready lid=%u qpn=%u rkey=%u addr=%" PRIu64 " pid=%d\n", port.lid, qp->qp_num,
            mr->rkey, (uint64_t)(uintptr_t)buf, (int)getpid());
@@ -197,7 +198,8 @@ int main(int argc, char **argv)
         memset(&at, 0, sizeof at);
         if (!strcmp(cmd, "init")) {
             at.qp_state = IBV_QPS_INIT; at.port_num = 1;
-            at.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+            at.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                                 IBV_ACCESS_REMOTE_ATOMIC;
             modify(&at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
                    "INIT");
         } else if (!strcmp(cmd, "rtr")) {

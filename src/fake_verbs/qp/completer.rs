@@ -190,10 +190,11 @@ impl QueuePair {
         self.release_send_completions(q);
     }
 
-    /// The answer to one of this QP's READs or atomics. One longer than the request, or of the
-    /// other kind, is a bad response (IBV_WC_BAD_RESP_ERR, the QP goes to ERR) and nothing of
-    /// it lands: UCX aborts the process when a rendezvous message is received into a buffer
-    /// smaller than the sender claims.
+    /// The answer to one of this QP's READs or atomics. One of another length than the request
+    /// (or of the other kind) is a bad response (IBV_WC_BAD_RESP_ERR, the QP goes to ERR) and
+    /// nothing of it lands: UCX aborts the process when a rendezvous message is received into a
+    /// buffer smaller than the sender claims, and a short one would leave part of the buffer
+    /// unwritten under a successful completion.
     pub fn on_response(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
@@ -224,7 +225,7 @@ impl QueuePair {
             } else {
                 wire::Op::AtomicResponse
             };
-            if len > room || h.op != kind {
+            if len != room || h.op != kind {
                 tracing::debug!(
                     "qp {:#x}: bad response {:?} of {len} bytes to psn {:#x} ({room} asked)",
                     self.qp_num,

@@ -10,7 +10,7 @@
 //! Everything else is dropped and counted (`UGDR_LOG=debug` shows the count). Where the data
 //! lands is [`super::receive`].
 
-use super::super::context::EVENT_QP_ACCESS_ERR;
+use super::super::context::{EVENT_QP_ACCESS_ERR, EVENT_QP_REQ_ERR};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{RecvRequest, WcStatus};
 use super::super::{mr, mw};
@@ -235,12 +235,12 @@ impl QueuePair {
                 let operand = body
                     .bytes_if_eager()
                     .and_then(|b| <[u8; 8]>::try_from(b).ok());
-                let span = self
-                    .check_remote(q, &h, 8, mr::ACCESS_REMOTE_WRITE)
-                    .flatten()
-                    .filter(|s| s.addr().is_multiple_of(8));
-                let (Some(span), Some(bytes)) = (span, operand) else {
+                let Some(span) = self.check_remote(q, &h, 8, mr::ACCESS_REMOTE_WRITE) else {
                     self.refuse(q, &h, body, receive);
+                    return;
+                };
+                let (Some(span), Some(bytes)) = (span.filter(aligned_word), operand) else {
+                    self.refuse_invalid(q, &h, body);
                     return;
                 };
                 let value = u64::from_ne_bytes(bytes);
@@ -266,11 +266,17 @@ impl QueuePair {
             }
             Op::Atomic => {
                 let operands = body.bytes_if_eager();
-                let span = self
-                    .check_remote(q, &h, 8, mr::ACCESS_REMOTE_ATOMIC)
-                    .flatten();
-                let (Some(span), Some(ops)) = (span, operands.filter(|o| o.len() == 16)) else {
+                let Some(span) = self.check_remote(q, &h, 8, mr::ACCESS_REMOTE_ATOMIC) else {
                     self.refuse(q, &h, body, None);
+                    return;
+                };
+                // The key allows it, but the address is not an aligned word or the operands
+                // are malformed: an invalid request (rxe's misaligned-atomic error), not a hang.
+                let (Some(span), Some(ops)) = (
+                    span.filter(aligned_word),
+                    operands.filter(|o| o.len() == 16),
+                ) else {
+                    self.refuse_invalid(q, &h, body);
                     return;
                 };
                 let compare_add = u64::from_le_bytes(ops[..8].try_into().expect("8 bytes"));
@@ -349,6 +355,20 @@ impl QueuePair {
         }
         self.send_ack(q, h.seq, Some(Nak::RemoteAccess));
         self.raise(EVENT_QP_ACCESS_ERR);
+        q.state = QpState::Err;
+        self.flush(q);
+    }
+
+    /// Refuses a malformed request (an atomic at an address that is not an aligned word):
+    /// NAK invalid request (the requester's WR completes with REM_INV_REQ_ERR), the QP to ERR
+    /// with an invalid-request work-queue error, as rxe's responder does.
+    fn refuse_invalid(&self, q: &mut Queues, h: &Header, body: Body<'_>) {
+        if let Body::Held(d) = body {
+            q.outbox.push(Deferred::Release(d));
+        }
+        self.release_landed(q);
+        self.send_ack(q, h.seq, Some(Nak::InvalidRequest));
+        self.raise(EVENT_QP_REQ_ERR);
         q.state = QpState::Err;
         self.flush(q);
     }
@@ -460,4 +480,9 @@ fn eager_len(payload: &AmPayload<'_>) -> usize {
         AmPayload::Persistent(d) => d.len(),
         AmPayload::Rendezvous(_) => 0,
     }
+}
+
+/// An atomic's target: one 8-byte word at an 8-byte aligned address.
+fn aligned_word(span: &AppSpan) -> bool {
+    span.len() == 8 && span.addr().is_multiple_of(8)
 }
