@@ -23,7 +23,7 @@ use crate::ucp::{AppRegion, AppSpan, SpanList};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
 /// `enum ibv_access_flags` bits.
@@ -282,6 +282,7 @@ impl MemoryRegion {
         }
         BY_LKEY.insert(reg.lkey, Arc::clone(&reg));
         BY_RKEY.insert(reg.rkey, Arc::clone(&reg));
+        lkeys_changed();
         Arc::new(MemoryRegion {
             current: Mutex::new(reg),
             windows: AtomicUsize::new(0),
@@ -427,6 +428,7 @@ impl MemoryRegion {
         }
         BY_LKEY.insert(new.lkey, Arc::clone(&new));
         BY_RKEY.insert(new.rkey, Arc::clone(&new));
+        lkeys_changed();
         *current = new;
         Ok(())
     }
@@ -445,6 +447,7 @@ impl MemoryRegion {
         drop(current);
         BY_LKEY.remove(&reg.lkey);
         BY_RKEY.remove(&reg.rkey);
+        lkeys_changed();
         reg.withdraw();
         if let (Some(m), Some(s)) = (Engine::local_memory(), reg.slot) {
             m.free_region_slot(s);
@@ -533,16 +536,32 @@ pub fn local_spans(pd: &Arc<ProtectionDomain>, sges: &[Sge], need_write: bool) -
     local_spans_cached(pd, sges, need_write, &mut KeyCache::default())
 }
 
-/// The MR an lkey named last, while one WR list is posted: the SGEs of a list mostly name
-/// the same MR, so it is looked up once per list instead of once per SGE.
+/// Counts changes of [`BY_LKEY`] (a registration, re-registration or deregistration): a
+/// [`KeyCache`] filled before the latest change looks its lkey up again.
+static LKEY_CHANGES: AtomicU64 = AtomicU64::new(0);
+
+/// Records a change of [`BY_LKEY`], after it is made.
+fn lkeys_changed() {
+    LKEY_CHANGES.fetch_add(1, Ordering::SeqCst);
+}
+
+/// The MR an lkey named last. A queue pair keeps one for its send WRs and one for its receive
+/// WRs: their SGEs mostly name the same MR, so it is looked up once, not once per SGE. It is
+/// good only while no MR was registered, re-registered or deregistered since (one atomic load
+/// tells): a deregistration racing with a use is the same race as with a fresh lookup, and the
+/// span's hold settles it.
 #[derive(Default)]
 pub struct KeyCache {
     last: Option<Arc<Registration>>,
+    changes: u64,
 }
 
 impl KeyCache {
     fn by_lkey(&mut self, lkey: u32) -> Option<&Arc<Registration>> {
-        if self.last.as_ref().is_none_or(|mr| mr.lkey != lkey) {
+        let changes = LKEY_CHANGES.load(Ordering::SeqCst);
+        if changes != self.changes || self.last.as_ref().is_none_or(|mr| mr.lkey != lkey) {
+            self.last = None;
+            self.changes = changes;
             self.last = Some(BY_LKEY.get(&lkey).map(|r| Arc::clone(r.value()))?);
         }
         self.last.as_ref()
@@ -614,6 +633,44 @@ mod tests {
         );
         mr.deregister().unwrap();
         assert_eq!(pd.check_deallocatable(), Ok(()));
+    }
+
+    #[test]
+    fn a_kept_key_cache_sees_every_reregistration_and_deregistration() {
+        let pd = pd();
+        let buf = vec![0u8; 8192];
+        let a = buf.as_ptr() as u64;
+        let mr = MemoryRegion::register(&pd, AppRegion::on_demand(a, 8192), a, ODP_RW).unwrap();
+        let sge = Sge {
+            addr: a + 4096,
+            length: 64,
+            lkey: mr.lkey(),
+        };
+        let mut cache = KeyCache::default();
+        assert!(local_spans_cached(&pd, &[sge], true, &mut cache).is_some());
+        // Same lkey, now read-only and half as long: the cached registration is stale.
+        let read_only = ACCESS_ON_DEMAND;
+        mr.reregister(&pd, AppRegion::on_demand(a, 8192), a, read_only)
+            .unwrap();
+        assert_eq!(mr.lkey(), sge.lkey);
+        assert!(
+            local_spans_cached(&pd, &[sge], true, &mut cache).is_none(),
+            "written through a registration without LOCAL_WRITE"
+        );
+        assert!(local_spans_cached(&pd, &[sge], false, &mut cache).is_some());
+        mr.reregister(&pd, AppRegion::on_demand(a, 4096), a, ODP_RW)
+            .unwrap();
+        assert!(
+            local_spans_cached(&pd, &[sge], true, &mut cache).is_none(),
+            "past the new end"
+        );
+        let inside = Sge { addr: a, ..sge };
+        assert!(local_spans_cached(&pd, &[inside], true, &mut cache).is_some());
+        mr.deregister().unwrap();
+        assert!(
+            local_spans_cached(&pd, &[inside], true, &mut cache).is_none(),
+            "deregistered"
+        );
     }
 
     #[test]

@@ -15,13 +15,24 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub type OwnedBytes = SmallVec<[u8; 64]>;
 
 /// What a send carries after its header.
-#[derive(Clone)]
 pub enum SendPayload {
     None,
     /// Application memory (checked spans); must stay valid until the send completes.
     Spans(SpanList),
     /// Bytes ugdr owns (inline data, replies); kept alive by the request.
     Owned(OwnedBytes),
+}
+
+impl Clone for SendPayload {
+    /// Spans and bytes are plain data: copied as slices (an RC send keeps a copy of its
+    /// payload description for retransmission, once per WR), not element by element.
+    fn clone(&self) -> Self {
+        match self {
+            SendPayload::None => SendPayload::None,
+            SendPayload::Spans(spans) => SendPayload::Spans(SpanList::from_slice(spans)),
+            SendPayload::Owned(bytes) => SendPayload::Owned(OwnedBytes::from_slice(bytes)),
+        }
+    }
 }
 
 impl SendPayload {
@@ -333,11 +344,12 @@ impl Endpoint {
         header: &[u8],
         payload: &SendPayload,
     ) -> Option<Result<SendState, Error>> {
-        let iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = match payload {
-            SendPayload::None => SmallVec::new(),
-            SendPayload::Spans(spans) => spans_iov(spans).collect(),
-            SendPayload::Owned(bytes) => bytes_iov(bytes).into_iter().collect(),
-        };
+        let mut iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = SmallVec::new();
+        match payload {
+            SendPayload::None => {}
+            SendPayload::Spans(spans) => spans_iov(spans).for_each(|v| iov.push(v)),
+            SendPayload::Owned(bytes) => iov.extend(bytes_iov(bytes)),
+        }
         let mut full = FullHeader::from_slice(header);
         full.extend_from_slice(&self.trailer);
         let (datatype, buf, count) = buffer_of(&iov);

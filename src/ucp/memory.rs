@@ -681,7 +681,11 @@ pub fn gather_into(spans: &[AppSpan], dst: &mut [u8]) -> usize {
 
 /// Holds every span (see [`AppSpan::hold`]); `None` if any of their regions died.
 pub fn hold_all(spans: &[AppSpan]) -> Option<smallvec::SmallVec<[Hold; 4]>> {
-    spans.iter().map(AppSpan::hold).collect()
+    let mut held = smallvec::SmallVec::new();
+    for s in spans {
+        held.push(s.hold()?);
+    }
+    Some(held)
 }
 
 /// Copies `src` into `spans`, in order; returns the bytes written (≤ the spans' total). The

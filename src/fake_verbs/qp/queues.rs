@@ -5,6 +5,7 @@
 //! only once that lock is released.
 
 use super::super::device;
+use super::super::mr::KeyCache;
 use super::super::qp_state::QpState;
 use super::super::work::{RecvRequest, WcOpcode, WcStatus, WorkCompletion};
 use super::{AppSpan, QpAttributes, QueuePair};
@@ -195,6 +196,9 @@ pub(super) struct Queues {
     /// IBV_EVENT_QP_LAST_WQE_REACHED was raised since the last RESET (once per entry into
     /// ERR: a later modify to ERR, e.g. `rdma_disconnect` after the peer's, raises nothing).
     pub(super) last_wqe_raised: bool,
+    /// The MRs the send WRs' and the receive WRs' lkeys named last.
+    pub(super) send_keys: KeyCache,
+    pub(super) recv_keys: KeyCache,
 }
 
 /// Most messages an RC QP in RTR keeps for later (ahead of sequence, or waiting for a receive
@@ -256,6 +260,8 @@ impl Queues {
             sqd_notify: false,
             next_receive: 0,
             last_wqe_raised: false,
+            send_keys: KeyCache::default(),
+            recv_keys: KeyCache::default(),
         }
     }
 }

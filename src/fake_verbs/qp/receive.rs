@@ -6,7 +6,7 @@
 
 use super::super::VerbsError;
 use super::super::context::EVENT_QP_REQ_ERR;
-use super::super::mr::local_spans;
+use super::super::mr::local_spans_cached;
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{
     RecvRequest, WC_WITH_IMM, WC_WITH_INV, WcOpcode, WcStatus, WorkCompletion,
@@ -133,7 +133,14 @@ impl QueuePair {
         let (status, nak) = if (len + reserve) as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
         } else {
-            match local_spans(&self.receive_pd(h), &wr.sges, true) {
+            let mut keys = std::mem::take(&mut q.recv_keys);
+            let spans = if self.xrc_target.is_none() {
+                local_spans_cached(&self.pd, &wr.sges, true, &mut keys)
+            } else {
+                local_spans_cached(&self.receive_pd(h), &wr.sges, true, &mut keys)
+            };
+            q.recv_keys = keys;
+            match spans {
                 Some(spans) => return Some(spans),
                 None => (WcStatus::LocProtErr, Nak::RemoteOperational),
             }
@@ -302,6 +309,19 @@ impl QueuePair {
         wc: Option<WorkCompletion>,
         solicited: bool,
     ) {
+        if q.landing.is_empty() {
+            // Nothing lands before it (the common case): what release_landed would do with it
+            // alone in the queue, without queueing it.
+            if let Some(wc) = wc {
+                self.push_receive(wc, solicited);
+            }
+            if q.state == QpState::Err {
+                self.last_wqe_reached(q);
+            } else {
+                self.acknowledge(q, seq);
+            }
+            return;
+        }
         q.landing.push_back(Landing {
             seq,
             wc,

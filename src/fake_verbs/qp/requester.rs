@@ -50,19 +50,22 @@ impl QueuePair {
         // Most lists hold one WR: its message is kept apart from the rest (no vector).
         let mut first: Option<DataMessage> = None;
         let mut rest: Vec<DataMessage> = Vec::new();
-        let mut keys = KeyCache::default();
         let posted = self.locked_then_send(locked, |q| {
+            let mut keys = std::mem::take(&mut q.send_keys);
+            let mut posted = Ok(());
             for (i, req) in requests.into_iter().enumerate() {
-                let message = req
-                    .and_then(|r| self.post_send_locked(q, r, None, &mut keys))
-                    .map_err(|e| (i, e))?;
-                match (message, &first) {
-                    (Some(m), None) => first = Some(m),
-                    (Some(m), Some(_)) => rest.push(m),
-                    (None, _) => {}
+                match req.and_then(|r| self.post_send_locked(q, r, None, &mut keys)) {
+                    Ok(Some(m)) if first.is_none() => first = Some(m),
+                    Ok(Some(m)) => rest.push(m),
+                    Ok(None) => {}
+                    Err(e) => {
+                        posted = Err((i, e));
+                        break;
+                    }
                 }
             }
-            Ok(())
+            q.send_keys = keys;
+            posted
         });
         // The messages themselves are sent straight from here (the hot path), the queue lock
         // released; anything else the posts queued went through the outbox.
@@ -155,7 +158,10 @@ impl QueuePair {
         let datagram_to = Some(ud.ah.endpoint(locked));
         let group = ud.ah.group().copied();
         let message = self.locked_then_send(locked, |q| {
-            self.post_send_locked(q, req, datagram_to, &mut KeyCache::default())
+            let mut keys = std::mem::take(&mut q.send_keys);
+            let message = self.post_send_locked(q, req, datagram_to, &mut keys);
+            q.send_keys = keys;
+            message
         })?;
         match (message, group) {
             // A datagram to a multicast group: the engine replicates it.
@@ -448,7 +454,10 @@ impl QueuePair {
         payload: SendPayload,
         data_seq: Option<u32>,
     ) -> bool {
-        let seqs: Seqs = data_seq.into_iter().collect();
+        let mut seqs = Seqs::new();
+        if let Some(seq) = data_seq {
+            seqs.push(seq);
+        }
         self.start_send_many(locked, endpoint, false, &header.encode(), payload, seqs)
     }
 
@@ -472,7 +481,7 @@ impl QueuePair {
             endpoint.am_send(locked, wire::AM_ID, header, payload, |_, _| {})
         } else {
             let me = Arc::clone(self);
-            let done_seqs = seqs.clone();
+            let done_seqs = Seqs::from_slice(&seqs);
             let done = move |locked: &LockedWorker<'_>, result: Result<(), crate::ucp::Error>| {
                 if copied {
                     return; // completed when handed over

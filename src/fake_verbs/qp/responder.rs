@@ -176,7 +176,9 @@ impl QueuePair {
 
     /// Moves messages that arrived early and are now next in sequence to the delivery path.
     pub(super) fn drain_early(self: &Arc<Self>, q: &mut Queues) {
-        while let Some(p) = q.early.remove(&q.expected_seq) {
+        while !q.early.is_empty()
+            && let Some(p) = q.early.remove(&q.expected_seq)
+        {
             q.expected_seq = wire::psn_add(q.expected_seq, 1);
             q.waiting.push_back(p);
         }
