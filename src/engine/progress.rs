@@ -144,13 +144,13 @@ impl Activity {
 
     /// The application posted work.
     pub(super) fn posted(&self) {
-        self.app_posts.fetch_add(1, Ordering::Relaxed);
+        bump(&self.app_posts);
     }
 
     /// One `ibv_poll_cq` progress call: progresses if the worker is free, and flushes owed
     /// ACKs once the application has found nothing several times in a row.
     pub(super) fn progress_from_app(&self, engine: &Engine) {
-        self.app_polls.fetch_add(1, Ordering::Relaxed);
+        bump(&self.app_polls);
         if let Some(locked) = engine.worker.try_lock() {
             if locked.progress() > 0 {
                 self.idle_app_polls.store(0, Ordering::Relaxed);
@@ -166,6 +166,17 @@ impl Activity {
             }
         }
     }
+}
+
+/// Counts one more of the application's polls or posts: a plain load and store, not a locked
+/// read-modify-write on every verb call. The counters only tell the progress thread whether
+/// the application is active, so an increment lost to two application threads at once
+/// changes nothing.
+fn bump(counter: &AtomicU64) {
+    counter.store(
+        counter.load(Ordering::Relaxed).wrapping_add(1),
+        Ordering::Relaxed,
+    );
 }
 
 /// While polling without sleeping, the progress thread takes the worker only once the

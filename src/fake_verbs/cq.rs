@@ -76,6 +76,10 @@ pub struct CompletionQueue {
     /// The C handle (`struct ibv_cq *`) of this CQ, for events.
     handle: AtomicUsize,
     ring: Mutex<Ring>,
+    /// How many completions the ring holds, as of its last change (written under the ring's
+    /// lock): a poll that finds it 0 returns without taking the lock, as polling an empty
+    /// hardware CQ reads one CQE's owner bit.
+    queued: AtomicUsize,
     users: AtomicUsize,
     events: Mutex<(u64, u64)>, // (delivered, acknowledged)
     events_acked: Condvar,
@@ -112,6 +116,7 @@ impl CompletionQueue {
                 arming: Arming::Off,
                 overrun: false,
             }),
+            queued: AtomicUsize::new(0),
             users: AtomicUsize::new(0),
             events: Mutex::new((0, 0)),
             events_acked: Condvar::new(),
@@ -160,6 +165,7 @@ impl CompletionQueue {
                 return;
             }
             ring.entries.push_back(wc);
+            self.queued.store(ring.entries.len(), Ordering::Release);
             let fire = match ring.arming {
                 Arming::Off => false,
                 Arming::Any => true,
@@ -177,11 +183,15 @@ impl CompletionQueue {
 
     /// Takes up to `max` completions, oldest first.
     pub fn poll(&self, max: usize, mut sink: impl FnMut(&WorkCompletion)) -> usize {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return 0; // as if polled a moment before a completion being added now
+        }
         let mut ring = self.ring();
         let n = max.min(ring.entries.len());
         for wc in ring.entries.drain(..n) {
             sink(&wc);
         }
+        self.queued.store(ring.entries.len(), Ordering::Release);
         n
     }
 
@@ -189,7 +199,9 @@ impl CompletionQueue {
     /// mlx5, hns and bnxt_re clean their CQs on a move to RESET: completions of the QP's
     /// previous life, flushes included, never reach the application afterwards.
     pub fn discard_qp(&self, qp_num: u32) {
-        self.ring().entries.retain(|wc| wc.qp_num != qp_num);
+        let mut ring = self.ring();
+        ring.entries.retain(|wc| wc.qp_num != qp_num);
+        self.queued.store(ring.entries.len(), Ordering::Release);
     }
 
     pub fn is_empty(&self) -> bool {
