@@ -141,6 +141,27 @@ fn ib_atomic_bw_compare_and_swap() {
     perftest("ib_atomic_bw", &["-A", "CMP_AND_SWAP", "-n", "1000"], 90);
 }
 
+/// perftest's XRC mode sets responder attributes (MAX_DEST_RD_ATOMIC, MIN_RNR_TIMER) on its
+/// XRC send QP and requester ones on its receive QP at every modify: the kernel's command layer
+/// drops those for the QP's type before checking the transition, and so does ugdr (before, the
+/// send QP's RTR failed with EINVAL). Every operation, and two QPs, as perftest runs them.
+#[test]
+fn every_perftest_over_xrc() {
+    for (program, extra) in [
+        ("ib_send_bw", &["-q", "2"][..]),
+        ("ib_send_lat", &[][..]),
+        ("ib_write_bw", &[][..]),
+        ("ib_write_lat", &[][..]),
+        ("ib_read_bw", &[][..]),
+        ("ib_read_lat", &[][..]),
+        ("ib_atomic_bw", &[][..]),
+    ] {
+        let mut opts = vec!["-c", "XRC", "-n", "300"];
+        opts.extend_from_slice(extra);
+        perftest(program, &opts, 90);
+    }
+}
+
 /// perftest picks its post-send path and inline size from the device identity (its
 /// `ib_dev_name`): ugdr's own is a device it does not know (no inline data, the generic
 /// post-send path), the ConnectX-6 profile one it does (inline sends, `ibv_wr_*`).

@@ -170,6 +170,22 @@ impl AttrMask {
     }
 }
 
+impl QpType {
+    /// The attributes the kernel's verbs command layer drops from a modify of a QP of this
+    /// type before any check (uverbs' `modify_qp_mask`): an XRC send QP is a requester only,
+    /// so its responder attributes are ignored, and an XRC receive QP a responder only. Programs
+    /// rely on it: perftest's XRC mode sets both kinds on both QPs.
+    pub const fn ignored_modify_attrs(self) -> AttrMask {
+        match self {
+            QpType::XrcSend => AttrMask(AttrMask::MAX_DEST_RD_ATOMIC.0 | AttrMask::MIN_RNR_TIMER.0),
+            QpType::XrcRecv => AttrMask(
+                AttrMask::MAX_QP_RD_ATOMIC.0 | AttrMask::RETRY_CNT.0 | AttrMask::RNR_RETRY.0,
+            ),
+            _ => AttrMask::EMPTY,
+        }
+    }
+}
+
 impl BitOr for AttrMask {
     type Output = AttrMask;
     fn bitor(self, other: AttrMask) -> AttrMask {

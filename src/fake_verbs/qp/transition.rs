@@ -35,6 +35,12 @@ impl QueuePair {
         req: &ModifyRequest,
         peer: Option<Peer>,
     ) -> Result<QpState, VerbsError> {
+        let ignored = self.qp_type.ignored_modify_attrs();
+        let filtered = ModifyRequest {
+            mask: req.mask.difference(ignored),
+            ..*req
+        };
+        let req = &filtered;
         let cur = q.state;
         let next = req.state.unwrap_or(cur);
         check_transition(self.qp_type, cur, next, req.mask, req.claimed_cur).map_err(|e| {
