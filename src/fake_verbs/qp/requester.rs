@@ -369,7 +369,7 @@ impl QueuePair {
                 (endpoint, header, false)
             }
             _ => {
-                let Some(peer) = q.peer.clone() else {
+                let Some(peer) = &q.peer else {
                     self.fail_entry(q, seq, WcStatus::RetryExcErr);
                     return Ok(None);
                 };
@@ -377,7 +377,7 @@ impl QueuePair {
                 if self.qp_type == QpType::Uc {
                     header.flags |= wire::FLAG_UNRELIABLE;
                 }
-                (peer.endpoint, header, peer.remote_host)
+                (Arc::clone(&peer.endpoint), header, peer.remote_host)
             }
         };
         if matches!(
