@@ -587,6 +587,8 @@ const HOSTILE_QPN: u32 = 0x00ab_cdef;
 ///                               QP [`HOSTILE_QPN`] of its own port
 ///   `fetch_add PSN ADDR RKEY`   an atomic fetch-and-add of 1 at ADDR with PSN PSN (a
 ///                               request, as QP [`HOSTILE_QPN`]); ADDR may be misaligned
+///   `send_as LID QPN PSN LEN`   a SEND of LEN bytes of 0xab with PSN PSN that claims to come
+///                               from QP QPN of port LID (not its own)
 /// Prints `hostile lid=L` at start and `ok` after each command.
 #[test]
 #[ignore = "the hostile peer process of other tests"]
@@ -608,12 +610,19 @@ fn hostile_peer_process() {
                 let locked = engine.worker.lock();
                 peer = Some(engine.connect(&locked, &resolved, qpn).expect("connect"));
             }
-            "response" | "fetch_add" => {
+            "response" | "fetch_add" | "send_as" => {
                 let peer = peer.as_ref().expect("connected first");
                 let atomic = w[0] == "fetch_add";
-                let op = if atomic { Op::Atomic } else { Op::ReadResponse };
-                let mut h = Header::new(op, qpn, HOSTILE_QPN, engine.lid, num(1) as u32);
-                let payload = if atomic {
+                let mut h = match w[0] {
+                    "fetch_add" => Header::new(Op::Atomic, qpn, HOSTILE_QPN, engine.lid, 0),
+                    "response" => Header::new(Op::ReadResponse, qpn, HOSTILE_QPN, engine.lid, 0),
+                    _ => Header::new(Op::Send, qpn, num(2) as u32, num(1) as u16, 0),
+                };
+                h.seq = num(if w[0] == "send_as" { 3 } else { 1 }) as u32;
+                let payload = if w[0] == "send_as" {
+                    h.length = num(4) as u32;
+                    SendPayload::Owned(OwnedBytes::from_elem(0xab, num(4) as usize))
+                } else if atomic {
                     h.status = ugdr::engine::wire::ATOMIC_FETCH_ADD;
                     h.remote_addr = num(2);
                     h.rkey = num(3) as u32;
@@ -832,5 +841,53 @@ fn a_misaligned_atomic_from_the_peer_is_an_invalid_request_not_a_silent_drop() {
         victim.uniform_bytes(128, 16),
         Some(0x11),
         "the victim's memory"
+    );
+}
+
+#[test]
+fn a_process_that_knows_the_secret_cannot_pass_itself_off_as_the_connected_peer() {
+    let mut victim = QpPeer::local("victim", 0x11);
+    let mut a = QpPeer::local("a", 0x22);
+    victim.connect(a.lid, a.qpn, 0x10, 0x20, 7, 7);
+    a.connect(victim.lid, victim.qpn, 0x20, 0x10, 7, 7);
+    victim.cmd("recv 1 64 1");
+    let mut hostile = Hostile::start();
+    hostile.cmd(&format!("connect {} {}", victim.lid, victim.qpn));
+    // Its endpoint authenticated (it holds the user's secret), but its SEND claims a's LID
+    // and QP number, with the PSN the victim expects from a: dropped, not delivered.
+    hostile.cmd(&format!("send_as {} {} {} 64", a.lid, a.qpn, 0x10));
+    assert_eq!(
+        victim.poll(1, Duration::from_millis(500)),
+        [],
+        "{}",
+        victim.stderr()
+    );
+    assert_eq!(
+        victim.uniform_bytes(RECV_HALF, 64),
+        Some(0x11),
+        "nothing landed"
+    );
+    // The real peer's SEND with that PSN takes the receive.
+    a.cmd("send 2 64 1");
+    let got = victim.poll(1, Duration::from_secs(10));
+    assert_eq!(
+        got,
+        [Wc {
+            wr_id: 1,
+            status: 0,
+            opcode: WC_OP_RECV,
+            byte_len: 64,
+            qp_num: victim.qpn,
+            src_qp: a.qpn,
+            slid: u32::from(a.lid),
+        }],
+        "{}",
+        victim.stderr()
+    );
+    assert_eq!(victim.uniform_bytes(RECV_HALF + 4, 60), Some(0x22));
+    assert_eq!(
+        a.poll(1, Duration::from_secs(10))[0].status,
+        0,
+        "a's send completes"
     );
 }

@@ -29,7 +29,7 @@ pub use secret::{MAC_LEN, Secret, SecretError};
 
 use super::{EngineError, wire};
 use crate::ucp::{self, Endpoint, LockedWorker, SendPayload};
-use rustc_hash::FxHashSet;
+use rustc_hash::FxHashMap;
 use sha2::{Digest, Sha256};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -60,11 +60,15 @@ pub struct Gate {
     /// The SHA-256 of this worker's address: the receiver a hello must name.
     me: [u8; 32],
     gid: [u8; GID_LEN],
-    /// Tokens of the hellos this process verified (one per authenticated sending endpoint).
-    admitted: Mutex<FxHashSet<u64>>,
+    /// Tokens of the hellos this process verified (one per authenticated sending endpoint),
+    /// with the LID each hello's GID proved: every message behind the token must claim it.
+    admitted: Mutex<FxHashMap<u64, u16>>,
     /// Tokens recently found in `admitted`, each in the slot its low bits pick (0: none): a
     /// message from a recently seen endpoint skips the lock.
     recent: [AtomicU64; RECENT_SLOTS],
+    /// Per slot of `recent`: the LID of a token, tagged with that token's upper 48 bits (so
+    /// a LID is only ever read with the token it belongs to, whatever the slots' races).
+    recent_lid: [AtomicU64; RECENT_SLOTS],
     dropped: AtomicU64,
     refused_hellos: AtomicU64,
 }
@@ -81,8 +85,9 @@ impl Gate {
             secret,
             me: identity(worker_address),
             gid,
-            admitted: Mutex::new(FxHashSet::default()),
+            admitted: Mutex::new(FxHashMap::default()),
             recent: std::array::from_fn(|_| AtomicU64::new(0)),
+            recent_lid: std::array::from_fn(|_| AtomicU64::new(0)),
             dropped: AtomicU64::new(0),
             refused_hellos: AtomicU64::new(0),
         }
@@ -154,10 +159,10 @@ impl Gate {
         t
     }
 
-    /// The ugdr header of a message that arrived with `header` (the AM header UCX gave),
-    /// if its endpoint authenticated; None for everything else, hellos included (a good
-    /// hello authenticates its endpoint).
-    pub fn admit<'h>(&self, header: &'h [u8]) -> Option<&'h [u8]> {
+    /// The ugdr header of a message that arrived with `header` (the AM header UCX gave), and
+    /// the LID its endpoint's hello proved, if its endpoint authenticated; None for everything
+    /// else, hellos included (a good hello authenticates its endpoint).
+    pub fn admit<'h>(&self, header: &'h [u8]) -> Option<(&'h [u8], u16)> {
         let Some(split) = header.len().checked_sub(TOKEN_LEN) else {
             self.drop_message(header.len(), "no token");
             return None;
@@ -168,25 +173,30 @@ impl Gate {
             self.hello(body, token);
             return None;
         }
-        if body.len() == wire::HEADER_LEN && self.known(u64::from_le_bytes(token)) {
-            return Some(body);
+        if body.len() == wire::HEADER_LEN
+            && let Some(lid) = self.known(u64::from_le_bytes(token))
+        {
+            return Some((body, lid));
         }
         self.drop_message(header.len(), "its endpoint has not authenticated");
         None
     }
 
-    /// Whether a verified hello established `token`.
-    fn known(&self, token: u64) -> bool {
-        let slot = &self.recent[token as usize % RECENT_SLOTS];
-        if token != 0 && slot.load(Ordering::Relaxed) == token {
-            return true;
+    /// The LID proven by the verified hello that established `token`, if one did.
+    fn known(&self, token: u64) -> Option<u16> {
+        const TAG: u64 = !0xffff;
+        let i = token as usize % RECENT_SLOTS;
+        if token != 0 && self.recent[i].load(Ordering::Relaxed) == token {
+            let tagged = self.recent_lid[i].load(Ordering::Relaxed);
+            if tagged & TAG == token & TAG {
+                return Some(tagged as u16);
+            }
         }
         let admitted = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
-        let known = admitted.contains(&token);
-        if known {
-            slot.store(token, Ordering::Relaxed);
-        }
-        known
+        let lid = *admitted.get(&token)?;
+        self.recent_lid[i].store(token & TAG | u64::from(lid), Ordering::Relaxed);
+        self.recent[i].store(token, Ordering::Relaxed);
+        Some(lid)
     }
 
     /// Checks a hello; a good one admits its token.
@@ -206,11 +216,16 @@ impl Gate {
             );
             return;
         }
-        let fresh = self
-            .admitted
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(u64::from_le_bytes(token));
+        let fresh = {
+            let mut admitted = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
+            match admitted.entry(u64::from_le_bytes(token)) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(lid);
+                    true
+                }
+                std::collections::hash_map::Entry::Occupied(_) => false,
+            }
+        };
         if fresh {
             tracing::debug!("auth: an endpoint of lid {lid:#06x} authenticated");
         } else {
@@ -283,7 +298,11 @@ mod tests {
             None,
             "a hello is not a message"
         );
-        assert_eq!(receiver.admit(&m), Some(&m[..wire::HEADER_LEN]), "after it");
+        assert_eq!(
+            receiver.admit(&m),
+            Some((&m[..wire::HEADER_LEN], 0x0102)),
+            "after it, with the LID the hello proved"
+        );
         assert_eq!(
             receiver.admit(&m[..wire::HEADER_LEN]),
             None,
@@ -309,7 +328,7 @@ mod tests {
         assert_eq!(receiver.refused().1, 3);
         assert_eq!(
             receiver.admit(&m),
-            Some(&m[..wire::HEADER_LEN]),
+            Some((&m[..wire::HEADER_LEN], 0x0102)),
             "still admitted"
         );
     }

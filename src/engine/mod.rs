@@ -436,12 +436,14 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
     let Some(engine) = Engine::running() else {
         return false;
     };
-    // Only messages from endpoints that authenticated (engine/auth.rs) get further.
-    let Some(header) = engine.gate.admit(header) else {
+    // Only messages from endpoints that authenticated (engine/auth.rs) get further, and only
+    // those that claim the LID their endpoint's hello proved: a process that knows the
+    // secret still cannot pass itself off as another port (QPs trust their peer's LID).
+    let Some((header, sender_lid)) = engine.gate.admit(header) else {
         return false;
     };
     if wire::is_bundle_header(header) {
-        return deliver_bundle(engine, locked, payload);
+        return deliver_bundle(engine, locked, payload, sender_lid);
     }
     let Some(h) = wire::Header::decode(header) else {
         tracing::warn!(
@@ -450,12 +452,17 @@ fn dispatch(locked: &LockedWorker<'_>, header: &[u8], payload: AmPayload<'_>) ->
         );
         return false;
     };
-    deliver(engine, locked, h, payload)
+    deliver(engine, locked, h, payload, sender_lid)
 }
 
 /// A bundle (`wire::bundle_header`): its messages, delivered in order as if each had come
 /// alone. Nothing of it is kept (a receiver that keeps a message copies it).
-fn deliver_bundle(engine: &Engine, locked: &LockedWorker<'_>, payload: AmPayload<'_>) -> bool {
+fn deliver_bundle(
+    engine: &Engine,
+    locked: &LockedWorker<'_>,
+    payload: AmPayload<'_>,
+    sender_lid: u16,
+) -> bool {
     let body = match &payload {
         AmPayload::Transient(b) => *b,
         AmPayload::Persistent(data) => data.bytes(),
@@ -468,7 +475,7 @@ fn deliver_bundle(engine: &Engine, locked: &LockedWorker<'_>, payload: AmPayload
     for message in wire::bundle_messages(body) {
         match message {
             Ok((h, bytes)) => {
-                deliver(engine, locked, h, AmPayload::Transient(bytes));
+                deliver(engine, locked, h, AmPayload::Transient(bytes), sender_lid);
             }
             Err(left) => {
                 tracing::warn!("dropping the last {left} bytes of a bundle: a bad frame");
@@ -479,12 +486,24 @@ fn deliver_bundle(engine: &Engine, locked: &LockedWorker<'_>, payload: AmPayload
 }
 
 /// Hands an admitted message to its receiver; true when the payload's data was kept.
+/// `sender_lid`: the LID its endpoint proved.
 fn deliver(
     engine: &Engine,
     locked: &LockedWorker<'_>,
     h: wire::Header,
     payload: AmPayload<'_>,
+    sender_lid: u16,
 ) -> bool {
+    if h.src_lid != sender_lid {
+        tracing::debug!(
+            "dropping {:?} for qp {:#x} claiming lid {:#06x} from an endpoint of lid {:#06x}",
+            h.op,
+            h.dst_qpn,
+            h.src_lid,
+            sender_lid
+        );
+        return false;
+    }
     if h.flags & wire::FLAG_MULTICAST != 0 {
         return engine.multicast_arrived(locked, h, payload);
     }
