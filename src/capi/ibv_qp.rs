@@ -800,7 +800,9 @@ pub(crate) unsafe extern "C" fn post_recv(
             return libc::EINVAL;
         };
         let qp_obj = &shell.inner;
-        let locked = engine.worker.lock();
+        // The worker is locked only once a WR needs more than queueing (see
+        // `post_recv_queued_only`), and then for the rest of the list.
+        let mut locked = None;
         let mut cur = wr;
         while !cur.is_null() {
             // SAFETY: `cur` walks the application's NULL-terminated WR list.
@@ -808,13 +810,19 @@ pub(crate) unsafe extern "C" fn post_recv(
             // SAFETY: sg_list/num_sge of the same WR.
             let result = unsafe { read_sges(w.sg_list, w.num_sge, qp_obj.caps.max_recv_sge) }
                 .and_then(|sges| {
-                    qp_obj.post_recv(
-                        &locked,
-                        RecvRequest {
-                            wr_id: w.wr_id,
-                            sges,
+                    let req = RecvRequest {
+                        wr_id: w.wr_id,
+                        sges,
+                    };
+                    let req = match &locked {
+                        Some(_) => req,
+                        None => match qp_obj.post_recv_queued_only(req)? {
+                            None => return Ok(()),
+                            Some(req) => req,
                         },
-                    )
+                    };
+                    let locked = locked.get_or_insert_with(|| engine.worker.lock());
+                    qp_obj.post_recv(locked, req)
                 });
             if let Err(e) = result {
                 tracing::debug!("qp {:#x}: post_recv: {e}", qp_obj.qp_num);

@@ -46,6 +46,14 @@ impl QueuePair {
             }
             _ => {}
         }
+        self.check_post_recv(q, &req)?;
+        q.rq.push_back(req);
+        self.deliver_waiting(q);
+        Ok(())
+    }
+
+    /// `ibv_post_recv`'s checks of a receive WR against the QP (its state aside).
+    fn check_post_recv(&self, q: &Queues, req: &RecvRequest) -> Result<(), VerbsError> {
         if self.srq.is_some() {
             return Err(VerbsError::Invalid("post_recv on a QP that uses an SRQ"));
         }
@@ -58,9 +66,24 @@ impl QueuePair {
         if req.sges.len() > self.caps.max_recv_sge as usize {
             return Err(VerbsError::Invalid("num_sge above max_recv_sge"));
         }
-        q.rq.push_back(req);
-        self.deliver_waiting(q);
         Ok(())
+    }
+
+    /// Posts a receive WR without the worker when posting only queues it: the QP is in INIT,
+    /// RTR, RTS, SQD or SQE and no message waits for a receive (the common case; the worker
+    /// lock is then not taken for every receive). `Ok(Some(req))` hands the WR back for
+    /// [`QueuePair::post_recv`], which may deliver what waits (and so send) or flush.
+    pub fn post_recv_queued_only(
+        &self,
+        req: RecvRequest,
+    ) -> Result<Option<RecvRequest>, VerbsError> {
+        let mut q = self.queues();
+        if matches!(q.state, QpState::Reset | QpState::Err) || !q.waiting.is_empty() {
+            return Ok(Some(req));
+        }
+        self.check_post_recv(&q, &req)?;
+        q.rq.push_back(req);
+        Ok(None)
     }
 
     /// The next receive WR: from the SRQ if the QP has one, else from its own queue.
