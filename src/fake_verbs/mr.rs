@@ -24,7 +24,7 @@ use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 
 /// `enum ibv_access_flags` bits.
 pub const ACCESS_LOCAL_WRITE: u32 = 1;
@@ -549,22 +549,31 @@ fn lkeys_changed() {
 /// WRs: their SGEs mostly name the same MR, so it is looked up once, not once per SGE. It is
 /// good only while no MR was registered, re-registered or deregistered since (one atomic load
 /// tells): a deregistration racing with a use is the same race as with a fresh lookup, and the
-/// span's hold settles it.
+/// span's hold settles it. It keeps no registration alive (a weak reference, upgraded for each
+/// use): a registration's region dies when its last holder lets go, which must stay
+/// `ibv_dereg_mr` (spans cut from it before, e.g. a send's copy kept for retransmission, are
+/// dead from then on), not a queue pair that happened to use it last.
 #[derive(Default)]
 pub struct KeyCache {
-    last: Option<Arc<Registration>>,
+    last: Option<(u32, Weak<Registration>)>,
     changes: u64,
 }
 
 impl KeyCache {
-    fn by_lkey(&mut self, lkey: u32) -> Option<&Arc<Registration>> {
+    fn by_lkey(&mut self, lkey: u32) -> Option<Arc<Registration>> {
         let changes = LKEY_CHANGES.load(Ordering::SeqCst);
-        if changes != self.changes || self.last.as_ref().is_none_or(|mr| mr.lkey != lkey) {
-            self.last = None;
-            self.changes = changes;
-            self.last = Some(BY_LKEY.get(&lkey).map(|r| Arc::clone(r.value()))?);
+        if changes == self.changes
+            && let Some((key, weak)) = &self.last
+            && *key == lkey
+            && let Some(mr) = weak.upgrade()
+        {
+            return Some(mr);
         }
-        self.last.as_ref()
+        self.last = None;
+        self.changes = changes;
+        let mr = BY_LKEY.get(&lkey).map(|r| Arc::clone(r.value()))?;
+        self.last = Some((lkey, Arc::downgrade(&mr)));
+        Some(mr)
     }
 }
 
@@ -665,8 +674,14 @@ mod tests {
             "past the new end"
         );
         let inside = Sge { addr: a, ..sge };
-        assert!(local_spans_cached(&pd, &[inside], true, &mut cache).is_some());
+        let spans = local_spans_cached(&pd, &[inside], true, &mut cache).unwrap();
         mr.deregister().unwrap();
+        drop(mr);
+        // The cache keeps nothing alive: a span cut before the deregistration is dead.
+        assert!(
+            spans[0].hold().is_none(),
+            "the region outlived ibv_dereg_mr"
+        );
         assert!(
             local_spans_cached(&pd, &[inside], true, &mut cache).is_none(),
             "deregistered"
