@@ -19,12 +19,12 @@ use super::pd::ProtectionDomain;
 use super::work::Sge;
 use crate::engine::Engine;
 use crate::engine::direct::{PublishedRegion, RegionView};
-use crate::ucp::{AppRegion, AppSpan, SpanList};
+use crate::ucp::{AppRegion, AppSpan, RegionExtent, SpanList};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, LazyLock, Mutex};
 
 /// `enum ibv_access_flags` bits.
 pub const ACCESS_LOCAL_WRITE: u32 = 1;
@@ -549,31 +549,51 @@ fn lkeys_changed() {
 /// WRs: their SGEs mostly name the same MR, so it is looked up once, not once per SGE. It is
 /// good only while no MR was registered, re-registered or deregistered since (one atomic load
 /// tells): a deregistration racing with a use is the same race as with a fresh lookup, and the
-/// span's hold settles it. It keeps no registration alive (a weak reference, upgraded for each
-/// use): a registration's region dies when its last holder lets go, which must stay
-/// `ibv_dereg_mr` (spans cut from it before, e.g. a send's copy kept for retransmission, are
-/// dead from then on), not a queue pair that happened to use it last.
+/// span's hold settles it. It keeps no registration alive: it holds a copy of what the checks
+/// read (the PD's address, access, iova, and the region's range and liveness cell, not the
+/// region), so a registration's region still dies when `ibv_dereg_mr` lets go of it and spans
+/// cut from it before (a send's copy kept for retransmission) are dead from then on. The PD's
+/// address is only compared: an MR keeps its PD allocated (`ibv_dealloc_pd` is EBUSY), and its
+/// deregistration empties the cache first.
 #[derive(Default)]
 pub struct KeyCache {
-    last: Option<(u32, Weak<Registration>)>,
+    last: Option<CachedKey>,
     changes: u64,
 }
 
+/// What a [`KeyCache`] remembers of one registration.
+#[derive(Clone, Copy)]
+struct CachedKey {
+    lkey: u32,
+    pd: usize,
+    access: u32,
+    iova: u64,
+    region: RegionExtent,
+}
+
 impl KeyCache {
-    fn by_lkey(&mut self, lkey: u32) -> Option<Arc<Registration>> {
+    fn by_lkey(&mut self, lkey: u32) -> Option<CachedKey> {
         let changes = LKEY_CHANGES.load(Ordering::SeqCst);
         if changes == self.changes
-            && let Some((key, weak)) = &self.last
-            && *key == lkey
-            && let Some(mr) = weak.upgrade()
+            && let Some(k) = self.last
+            && k.lkey == lkey
         {
-            return Some(mr);
+            return Some(k);
         }
         self.last = None;
         self.changes = changes;
-        let mr = BY_LKEY.get(&lkey).map(|r| Arc::clone(r.value()))?;
-        self.last = Some((lkey, Arc::downgrade(&mr)));
-        Some(mr)
+        let found = BY_LKEY.get(&lkey).map(|r| {
+            let mr = r.value();
+            CachedKey {
+                lkey,
+                pd: Arc::as_ptr(&mr.pd) as usize,
+                access: mr.access,
+                iova: mr.iova,
+                region: mr.region.extent(),
+            }
+        })?;
+        self.last = Some(found);
+        Some(found)
     }
 }
 
@@ -590,7 +610,7 @@ pub fn local_spans_cached(
             continue;
         }
         let mr = cache.by_lkey(sge.lkey)?;
-        if !Arc::ptr_eq(&mr.pd, pd) || !mr.region.is_live() {
+        if mr.pd != Arc::as_ptr(pd) as usize || !mr.region.is_live() {
             return None;
         }
         if need_write && mr.access & ACCESS_LOCAL_WRITE == 0 {

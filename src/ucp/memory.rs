@@ -404,6 +404,43 @@ impl AppRegion {
     /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe) and, for an
     /// on-demand region, is mapped now, readable, and writable when `write`.
     pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
+        self.extent().span_for(addr, len, write)
+    }
+
+    /// A copy of what cutting spans needs, owning nothing: spans cut through it die with this
+    /// region as any others do (a queue pair's key cache keeps one, `fake_verbs::mr`).
+    pub fn extent(&self) -> RegionExtent {
+        RegionExtent {
+            addr: self.addr,
+            len: self.len,
+            pin: self.pin,
+            on_demand: self.on_demand,
+        }
+    }
+}
+
+/// A registered region's range and liveness cell, copied out of its [`AppRegion`]: it keeps
+/// nothing alive, and every span it cuts is checked against the region's generation.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionExtent {
+    addr: u64,
+    len: u64,
+    pin: Pin,
+    on_demand: bool,
+}
+
+impl RegionExtent {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// False once the region's memory was unmapped or replaced, or the region dropped.
+    pub fn is_live(&self) -> bool {
+        self.pin.is_live()
+    }
+
+    /// As [`AppRegion::span_for`].
+    pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;
         let region_end = self.addr.checked_add(self.len)?;
         if addr < self.addr || end > region_end {

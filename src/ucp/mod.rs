@@ -21,8 +21,8 @@ mod worker;
 pub use endpoint::{Endpoint, ErrorHandler, OwnedBytes, SendDone, SendPayload, SendState};
 pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
-    AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, SpanList, anything_registered,
-    gather, gather_into, hold_all, invalidate_range, scatter,
+    AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, RegionExtent, SpanList,
+    anything_registered, gather, gather_into, hold_all, invalidate_range, scatter,
 };
 pub use status::Error;
 pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};
