@@ -466,7 +466,7 @@ fn deliver_bundle(
     let body = match &payload {
         AmPayload::Transient(b) => *b,
         AmPayload::Persistent(data) => data.bytes(),
-        // Bundles are sent eager (Endpoint::am_send_eager).
+        // Bundles are sent eager (`Endpoint::am_send_then`, `eager`).
         AmPayload::Rendezvous(_) => {
             tracing::warn!("dropping a bundle sent by rendezvous");
             return false;

@@ -223,38 +223,31 @@ impl Endpoint {
     where
         F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
     {
-        self.am_send_with(locked, id, header, payload, done, 0)
+        self.am_send_then(locked, id, header, payload, || done, false)
     }
 
-    /// As [`Endpoint::am_send`], but never by rendezvous: the receiver gets the whole
+    /// As [`Endpoint::am_send`], with the completion callback made by `make_done` only when
+    /// UCX keeps the send pending: a send its short protocol finishes inside the call (most
+    /// small ones) builds none. `eager`: never by rendezvous, the receiver gets the whole
     /// message in its handler, whatever its size (UCX sends a large one in fragments).
-    pub fn am_send_eager<F>(
+    pub fn am_send_then<G, F>(
         &self,
         locked: &LockedWorker<'_>,
         id: u32,
         header: &[u8],
         payload: SendPayload,
-        done: F,
+        make_done: G,
+        eager: bool,
     ) -> Result<SendState, Error>
     where
+        G: FnOnce() -> F,
         F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
     {
-        let eager = sys::ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER.0;
-        self.am_send_with(locked, id, header, payload, done, eager)
-    }
-
-    fn am_send_with<F>(
-        &self,
-        locked: &LockedWorker<'_>,
-        id: u32,
-        header: &[u8],
-        payload: SendPayload,
-        done: F,
-        flags: u32,
-    ) -> Result<SendState, Error>
-    where
-        F: FnOnce(&LockedWorker<'_>, Result<(), Error>) + Send + 'static,
-    {
+        let flags = if eager {
+            sys::ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER.0
+        } else {
+            0
+        };
         // Application spans stay held while UCX may read them; spans whose region died since
         // they were checked read as zeros (see `memory`).
         let (payload, held) = match payload {
@@ -322,7 +315,7 @@ impl Endpoint {
         if ucs::ptr_is_ptr(ret) {
             // Pending: UCX calls send_callback from a later progress, which needs the worker
             // lock this thread holds, so `done` is in place before it can run.
-            req.done = Some(Box::new(done));
+            req.done = Some(Box::new(make_done()));
             let _ = Box::into_raw(req); // reclaimed by send_callback
             return Ok(SendState::Pending);
         }

@@ -69,7 +69,13 @@ impl QueuePair {
         });
         // The messages themselves are sent straight from here (the hot path), the queue lock
         // released; anything else the posts queued went through the outbox.
-        self.send_data_messages(locked, first.into_iter().chain(rest));
+        match first {
+            // One message (most lists): nothing to bundle.
+            Some(m) if rest.is_empty() => {
+                self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq));
+            }
+            first => self.send_data_messages(locked, first.into_iter().chain(rest)),
+        }
         posted
     }
 
@@ -480,34 +486,34 @@ impl QueuePair {
         let result = if seqs.is_empty() {
             endpoint.am_send(locked, wire::AM_ID, header, payload, |_, _| {})
         } else {
-            let me = Arc::clone(self);
-            let done_seqs = Seqs::from_slice(&seqs);
-            let done = move |locked: &LockedWorker<'_>, result: Result<(), crate::ucp::Error>| {
-                if copied {
-                    return; // completed when handed over
-                }
-                for &seq in &done_seqs {
-                    match &result {
-                        Ok(()) if unreliable => me.sent(locked, seq),
-                        Ok(()) => me.note_in_ucx(locked, seq, -1),
-                        Err(e) => {
-                            tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
-                            if unreliable {
-                                me.sent(locked, seq);
-                            } else {
-                                // The first failure fails the QP and flushes the rest.
-                                me.fail_send(locked, seq, WcStatus::RetryExcErr);
-                                return;
+            // Made only if UCX keeps the send pending (not for one its short protocol
+            // finished inside the call).
+            let make_done = || {
+                let me = Arc::clone(self);
+                let done_seqs = Seqs::from_slice(&seqs);
+                move |locked: &LockedWorker<'_>, result: Result<(), crate::ucp::Error>| {
+                    if copied {
+                        return; // completed when handed over
+                    }
+                    for &seq in &done_seqs {
+                        match &result {
+                            Ok(()) if unreliable => me.sent(locked, seq),
+                            Ok(()) => me.note_in_ucx(locked, seq, -1),
+                            Err(e) => {
+                                tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
+                                if unreliable {
+                                    me.sent(locked, seq);
+                                } else {
+                                    // The first failure fails the QP and flushes the rest.
+                                    me.fail_send(locked, seq, WcStatus::RetryExcErr);
+                                    return;
+                                }
                             }
                         }
                     }
                 }
             };
-            if bundle {
-                endpoint.am_send_eager(locked, wire::AM_ID, header, payload, done)
-            } else {
-                endpoint.am_send(locked, wire::AM_ID, header, payload, done)
-            }
+            endpoint.am_send_then(locked, wire::AM_ID, header, payload, make_done, bundle)
         };
         match result {
             Ok(_) if copied => seqs.iter().for_each(|&s| self.sent(locked, s)),
