@@ -544,6 +544,38 @@ fn a_receiver_that_never_posts_ends_in_rnr_retry_exc_err() {
     );
 }
 
+/// More SENDs than the responder keeps while it has no receive WRs (256): the first one it
+/// cannot keep is RNR-NAKed, and the requester sends it (and what followed) again once the
+/// responder's RNR timer (`min_rnr_timer` 12: 0.64 ms) ran out, as a HCA does: everything is
+/// delivered, in order, soon after the receives are posted. Before, the requester waited for
+/// its ACK timeout (here 4.3 s, `timeout` 20) to send them again.
+#[test]
+fn sends_beyond_what_the_responder_keeps_go_again_after_its_rnr_timer() {
+    let mut a = QpPeer::local("a", 0x11);
+    let mut b = QpPeer::local("b", 0x22);
+    a.cmd("init");
+    a.cmd(&format!("rtr {} {} {}", b.lid, b.qpn, 0x200));
+    a.cmd(&format!("rts {} 20 7 7", 0x100));
+    b.connect(a.lid, a.qpn, 0x100, 0x200, 7, 7);
+    a.cmd("send 1 64 400");
+    std::thread::sleep(Duration::from_millis(300));
+    let start = Instant::now();
+    b.cmd("recv 1000 64 400");
+    let (first, counts) = b.drain(400);
+    let took = start.elapsed();
+    assert_eq!(counts, [(WC_SUCCESS, 400)]);
+    assert_eq!(
+        first.map(|w| (w.wr_id, w.byte_len, w.qp_num, w.src_qp)),
+        Some((1000, 64, b.qpn, a.qpn))
+    );
+    assert_eq!(b.cmd("seq 64 400"), ["seq ok"]);
+    assert!(
+        took < Duration::from_secs(3),
+        "the last 144 SENDs took {took:?}: sent again after the ACK timeout, not the RNR timer"
+    );
+    assert_eq!(a.drain(400).1, [(WC_SUCCESS, 400)]);
+}
+
 /// QP numbers are random: neither the process id nor the previous number predicts them.
 #[test]
 fn qp_numbers_are_not_derived_from_the_pid_nor_consecutive() {

@@ -130,9 +130,14 @@ impl QueuePair {
                 self.apply_ack(q, h.seq);
             }
             Some(Nak::ReceiverNotReady) => {
-                // It waits for a receive WR (the timer sends it again, in case the responder
-                // could not keep it); nothing is acknowledged by it.
-                if !q.timer.rnr_retry_allowed(q.attrs.rnr_retry) {
+                // It waits for a receive WR, or the responder could not keep it: once the
+                // responder's RNR timer (in `length`) ran out, it and everything after it go
+                // again. Nothing is acknowledged by it.
+                if q.timer.rnr_retry_allowed(q.attrs.rnr_retry) {
+                    q.timer
+                        .resend_after_rnr(h.seq, super::timer::rnr_delay(h.length));
+                    self.run_timer(q);
+                } else {
                     tracing::debug!(
                         "qp {:#x}: psn {:#x}: RNR retry counter exceeded",
                         self.qp_num,

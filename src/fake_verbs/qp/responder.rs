@@ -104,10 +104,11 @@ impl QueuePair {
             if !self.may_keep(q, &payload) {
                 // Receiver not ready, and it keeps enough: the requester's timer sends it
                 // again. Those already waiting are RNR-NAKed when their duplicates come.
+                // RNR-NAKed now (not only when nothing waits): the requester sends it again
+                // after this QP's RNR timer, not after its ACK timeout, which grows with the
+                // bytes it has in flight (seconds for a window of 1 MiB SENDs).
                 self.drop_request(q, &h, "no receive WR, and the QP keeps enough");
-                if q.waiting.is_empty() {
-                    self.send_ack(q, h.seq, Some(Nak::ReceiverNotReady));
-                }
+                self.send_ack(q, h.seq, Some(Nak::ReceiverNotReady));
                 return false;
             }
             q.expected_seq = wire::psn_add(q.expected_seq, 1);
@@ -465,6 +466,10 @@ impl QueuePair {
         let Some(peer) = &q.peer else { return };
         let mut header = Header::new(Op::Ack, peer.qpn, self.qp_num, self.local_lid, seq);
         header.status = nak.map_or(0, |n| n as u8);
+        if nak == Some(Nak::ReceiverNotReady) {
+            // The RNR NAK timer the requester waits before trying again (IBA 9.7.5.2.8).
+            header.length = u32::from(q.attrs.min_rnr_timer);
+        }
         let endpoint = Arc::clone(&peer.endpoint);
         q.outbox.push(Deferred::Send {
             endpoint,

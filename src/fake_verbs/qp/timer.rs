@@ -47,6 +47,8 @@ pub(super) struct Timer {
     retries: u8,
     /// RNR NAKs since the responder last acknowledged something new (against `rnr_retry`).
     rnr_retries: u8,
+    /// After an RNR NAK: when to send again (the responder's RNR timer), from which PSN.
+    rnr_resend: Option<(Instant, u32)>,
     /// The timer or the RNR count failed the QP: the owner (rdma_cm) is told once the lock is
     /// released.
     pub(super) failed: bool,
@@ -75,6 +77,16 @@ impl Timer {
         self.rnr_retries <= rnr_retry
     }
 
+    /// An RNR NAK for `psn` whose responder asks for `delay` before the next try: from `psn`
+    /// on, everything unanswered is sent again then (the earliest PSN NAKed wins).
+    pub(super) fn resend_after_rnr(&mut self, psn: u32, delay: Duration) {
+        let at = Instant::now() + delay;
+        self.rnr_resend = Some(match self.rnr_resend {
+            Some((t, p)) if crate::engine::wire::psn_before(p, psn) => (t, p),
+            _ => (at, psn),
+        });
+    }
+
     /// Back to a QP that sent nothing yet (RESET, and RTS from RTR).
     pub(super) fn restart(&mut self) {
         *self = Timer {
@@ -82,6 +94,17 @@ impl Timer {
             ..Timer::default()
         };
     }
+}
+
+/// The RNR NAK timer an RNR NAK carries (the responder's `min_rnr_timer`, IBA 9.7.5.2.8's
+/// encoding: 1 is 0.01 ms … 31 is 491.52 ms, 0 is 655.36 ms); codes above 31 read as 31.
+pub(super) fn rnr_delay(code: u32) -> Duration {
+    const MICROS: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560,
+        3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
+        163_840, 245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(u64::from(MICROS[code.min(31) as usize]))
 }
 
 /// How long the requester waits for an answer: 4.096 µs × 2^`code` (at least
@@ -127,8 +150,20 @@ impl QueuePair {
         let Some(first) = first.filter(|_| sending) else {
             q.timer.armed = false;
             q.timer.answered();
+            q.timer.rnr_resend = None;
             return false;
         };
+        // An RNR NAK's wait is over: what it named and everything after it go again, as a
+        // HCA resends after its RNR NAK timer (no transport retry is counted: the responder
+        // answered).
+        if let Some((at, from)) = q.timer.rnr_resend
+            && now >= at
+        {
+            q.timer.rnr_resend = None;
+            q.timer.started = Some(now);
+            self.retransmit(q, Some(from));
+            return true;
+        }
         let Some(started) = q.timer.started else {
             q.timer.started = Some(now);
             return true;
@@ -151,16 +186,20 @@ impl QueuePair {
             q.timer.retries += 1;
         }
         q.timer.started = Some(now);
-        self.retransmit(q);
+        self.retransmit(q, None);
         true
     }
 
-    /// Sends every unanswered message again, oldest first, with its PSN (those UCX is still
-    /// sending are on their way already).
-    fn retransmit(&self, q: &mut Queues) {
+    /// Sends every unanswered message again (from PSN `from` on, if given), oldest first, with
+    /// its PSN (those UCX is still sending are on their way already).
+    fn retransmit(&self, q: &mut Queues, from: Option<u32>) {
         let Some(peer) = &q.peer else { return };
         let mut sent = 0u32;
-        for e in q.sq.iter().filter(|e| e.unanswered() && e.in_ucx <= 0) {
+        for e in q.sq.iter().filter(|e| {
+            e.unanswered()
+                && e.in_ucx <= 0
+                && from.is_none_or(|p| !crate::engine::wire::psn_before(e.seq, p))
+        }) {
             let Some((header, payload)) = e.resend.clone() else {
                 continue;
             };
@@ -172,11 +211,17 @@ impl QueuePair {
             });
             sent += 1;
         }
-        tracing::debug!(
-            "qp {:#x}: no answer in time: {sent} message(s) sent again (retry {})",
-            self.qp_num,
-            q.timer.retries
-        );
+        match from {
+            Some(p) => tracing::debug!(
+                "qp {:#x}: RNR NAK for psn {p:#x}: {sent} message(s) sent again",
+                self.qp_num
+            ),
+            None => tracing::debug!(
+                "qp {:#x}: no answer in time: {sent} message(s) sent again (retry {})",
+                self.qp_num,
+                q.timer.retries
+            ),
+        }
     }
 
     /// A message of this QP entered UCX (`+1`) or UCX finished with it (`-1`).
@@ -195,6 +240,16 @@ impl QueuePair {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rnr_delay_decodes_the_ib_rnr_timer_and_bounds_foreign_codes() {
+        assert_eq!(rnr_delay(12), Duration::from_micros(640));
+        assert_eq!(rnr_delay(1), Duration::from_micros(10));
+        assert_eq!(rnr_delay(0), Duration::from_micros(655_360));
+        assert_eq!(rnr_delay(31), Duration::from_micros(491_520));
+        // A peer's header may carry anything: above 31 reads as 31.
+        assert_eq!(rnr_delay(u32::MAX), rnr_delay(31));
+    }
 
     #[test]
     fn ack_timeout_follows_the_ib_formula_above_the_floor() {
