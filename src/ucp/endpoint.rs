@@ -1,7 +1,7 @@
 //! `ucp_ep`: a connection to a remote worker, and active-message send.
 
 use super::Error;
-use super::memory::{AppSpan, Hold, SpanList, hold_all};
+use super::memory::{AppSpan, Hold, SpanList, gather_into, hold_all};
 use super::worker::{LockedWorker, Worker};
 use crate::sys::{self, ucs};
 use smallvec::SmallVec;
@@ -248,6 +248,20 @@ impl Endpoint {
         } else {
             0
         };
+        // A small message of application spans is copied out first (at most 256 bytes, on
+        // the stack), each span under its hold, and UCX's short protocol sends the copy: no
+        // list of holds is built and none outlives the copy (scripts/instructions 64:
+        // ~4,650 -> ~4,500 per SEND). UCX copies it once more into its FIFO either way.
+        if let SendPayload::Spans(spans) = &payload {
+            let body: usize = spans.iter().map(AppSpan::len).sum();
+            if header.len() + self.trailer.len() + body <= IMMEDIATE_MAX {
+                let mut staged = [0u8; IMMEDIATE_MAX];
+                let n = gather_into(spans, &mut staged[..body]);
+                if let Some(done_now) = self.send_immediate(id, header, &staged[..n]) {
+                    return done_now;
+                }
+            }
+        }
         // Application spans stay held while UCX may read them; spans whose region died since
         // they were checked read as zeros (see `memory`).
         let (payload, held) = match payload {
@@ -264,8 +278,14 @@ impl Endpoint {
             other => (other, SmallVec::new()),
         };
         let len = header.len() + self.trailer.len() + payload.len();
+        let bytes: Option<&[u8]> = match &payload {
+            SendPayload::None => Some(&[]),
+            SendPayload::Owned(b) => Some(b),
+            SendPayload::Spans(_) => None, // too long for the short protocol (above)
+        };
         if len <= IMMEDIATE_MAX
-            && let Some(done_now) = self.send_immediate(id, header, &payload)
+            && let Some(bytes) = bytes
+            && let Some(done_now) = self.send_immediate(id, header, bytes)
         {
             return done_now;
         }
@@ -335,14 +355,9 @@ impl Endpoint {
         &self,
         id: u32,
         header: &[u8],
-        payload: &SendPayload,
+        payload: &[u8],
     ) -> Option<Result<SendState, Error>> {
-        let mut iov: SmallVec<[sys::ucp_dt_iov_t; 4]> = SmallVec::new();
-        match payload {
-            SendPayload::None => {}
-            SendPayload::Spans(spans) => spans_iov(spans).for_each(|v| iov.push(v)),
-            SendPayload::Owned(bytes) => iov.extend(bytes_iov(bytes)),
-        }
+        let iov: SmallVec<[sys::ucp_dt_iov_t; 1]> = bytes_iov(payload).into_iter().collect();
         let mut full = FullHeader::from_slice(header);
         full.extend_from_slice(&self.trailer);
         let (datatype, buf, count) = buffer_of(&iov);
