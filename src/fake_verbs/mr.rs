@@ -554,7 +554,8 @@ fn lkeys_changed() {
 /// region), so a registration's region still dies when `ibv_dereg_mr` lets go of it and spans
 /// cut from it before (a send's copy kept for retransmission) are dead from then on. The PD's
 /// address is only compared: an MR keeps its PD allocated (`ibv_dealloc_pd` is EBUSY), and its
-/// deregistration empties the cache first.
+/// deregistration changes the count before the PD can go, so no cache compares against a PD
+/// that reuses the address.
 #[derive(Default)]
 pub struct KeyCache {
     last: Option<CachedKey>,

@@ -281,7 +281,8 @@ impl Endpoint {
         let bytes: Option<&[u8]> = match &payload {
             SendPayload::None => Some(&[]),
             SendPayload::Owned(b) => Some(b),
-            SendPayload::Spans(_) => None, // too long for the short protocol (above)
+            // Tried above if short enough (UCX had no room then): sent from a pooled buffer.
+            SendPayload::Spans(_) => None,
         };
         if len <= IMMEDIATE_MAX
             && let Some(bytes) = bytes

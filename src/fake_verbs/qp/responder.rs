@@ -102,11 +102,11 @@ impl QueuePair {
                 self.wait_for_receive(&h);
             }
             if !self.may_keep(q, &payload) {
-                // Receiver not ready, and it keeps enough: the requester's timer sends it
-                // again. Those already waiting are RNR-NAKed when their duplicates come.
-                // RNR-NAKed now (not only when nothing waits): the requester sends it again
-                // after this QP's RNR timer, not after its ACK timeout, which grows with the
-                // bytes it has in flight (seconds for a window of 1 MiB SENDs).
+                // Receiver not ready, and it keeps enough: RNR-NAKed now (also when others
+                // wait), so the requester sends it again after this QP's RNR timer, not after
+                // its ACK timeout, which grows with the bytes it has in flight (seconds for a
+                // window of 1 MiB SENDs). Those already waiting are RNR-NAKed when their
+                // duplicates come.
                 self.drop_request(q, &h, "no receive WR, and the QP keeps enough");
                 self.send_ack(q, h.seq, Some(Nak::ReceiverNotReady));
                 return false;
