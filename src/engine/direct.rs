@@ -19,6 +19,7 @@
 use super::Engine;
 use crate::shared_memory::{Backing, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, Table};
 use crate::ucp::AppSpan;
+use rustc_hash::FxBuildHasher;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -329,8 +330,11 @@ pub enum Refused {
 /// A peer process on this host whose published memory this process maps (requester side).
 pub struct PeerMemory {
     pid: i32,
+    /// This process's pid, written into the peer's QP slot lock while an access runs (read
+    /// once: `getpid` is a system call, and this is on every direct access).
+    me: u32,
     table: PeerTable,
-    backings: Mutex<HashMap<(i32, u64), Arc<PeerBacking>>>,
+    backings: Mutex<HashMap<(i32, u64), Arc<PeerBacking>, FxBuildHasher>>,
     failed_once: AtomicBool,
 }
 
@@ -348,8 +352,9 @@ impl PeerMemory {
         }
         Ok(PeerMemory {
             pid,
+            me: std::process::id(),
             table,
-            backings: Mutex::new(HashMap::new()),
+            backings: Mutex::new(HashMap::default()),
             failed_once: AtomicBool::new(false),
         })
     }
@@ -368,10 +373,9 @@ impl PeerMemory {
         spans: &[AppSpan],
     ) -> Result<(), Refused> {
         let qp = self.table.qp(qp_slot(dst_qpn));
-        let me = std::process::id();
         if qp
             .lock
-            .compare_exchange(0, me, Ordering::SeqCst, Ordering::SeqCst)
+            .compare_exchange(0, self.me, Ordering::SeqCst, Ordering::SeqCst)
             .is_err()
         {
             return Err(Refused::Busy);
