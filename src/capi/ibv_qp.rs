@@ -735,7 +735,6 @@ pub(crate) unsafe extern "C" fn post_send(
         };
         let qp_obj = &shell.inner;
         let locked = engine.worker.lock();
-        engine.note_post();
         let mut cur = wr;
         let requests = std::iter::from_fn(|| {
             if cur.is_null() {
@@ -747,8 +746,15 @@ pub(crate) unsafe extern "C" fn post_send(
             cur = unsafe { (*cur).next };
             Some(req)
         });
-        match qp_obj.post_send_list(&locked, requests) {
-            Ok(()) => 0,
+        // An answer is expected (the adaptive progress thread stays awake for it) unless
+        // every WR completed at post time: a direct WRITE keeps no thread spinning beside an
+        // application that posts them (on 2 cores it took the CPU the application needed).
+        let posted = qp_obj.post_send_list(&locked, requests);
+        if !matches!(posted, Ok(false)) {
+            engine.note_post();
+        }
+        match posted {
+            Ok(_) => 0,
             Err((index, e)) => {
                 tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
                 if !bad_wr.is_null() {
@@ -1094,12 +1100,14 @@ unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
             return libc::EINVAL;
         };
         let locked = engine.worker.lock();
-        engine.note_post();
-        match shell
+        let posted = shell
             .inner
-            .post_send_list(&locked, requests.into_iter().map(Ok))
-        {
-            Ok(()) => 0,
+            .post_send_list(&locked, requests.into_iter().map(Ok));
+        if !matches!(posted, Ok(false)) {
+            engine.note_post(); // as in post_send
+        }
+        match posted {
+            Ok(_) => 0,
             Err((_, e)) => e.errno(),
         }
     })

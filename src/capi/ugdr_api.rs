@@ -784,7 +784,6 @@ pub unsafe extern "C" fn ugdr_post_send(
             return c_int::fail(libc::EINVAL);
         };
         let locked = engine.worker.lock();
-        engine.note_post();
         let mut cur = wr;
         let requests = std::iter::from_fn(|| {
             if cur.is_null() {
@@ -796,8 +795,12 @@ pub unsafe extern "C" fn ugdr_post_send(
             // SAFETY: as above.
             Some(unsafe { send_request(w, &q.caps) })
         });
-        match q.post_send_list(&locked, requests) {
-            Ok(()) => 0,
+        let posted = q.post_send_list(&locked, requests);
+        if !matches!(posted, Ok(false)) {
+            engine.note_post(); // as ibv_post_send
+        }
+        match posted {
+            Ok(_) => 0,
             Err((index, e)) => {
                 tracing::debug!("qp {:#x}: ugdr_post_send: {e}", q.qp_num);
                 if !bad_wr.is_null() {

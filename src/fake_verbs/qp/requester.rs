@@ -26,18 +26,22 @@ impl QueuePair {
         locked: &LockedWorker<'_>,
         req: SendRequest,
     ) -> Result<(), VerbsError> {
-        self.post_send_list(locked, [Ok(req)]).map_err(|(_, e)| e)
+        self.post_send_list(locked, [Ok(req)])
+            .map(|_| ())
+            .map_err(|(_, e)| e)
     }
 
     /// Posts a WR list in order, under one hold of the queue lock, looking lkeys up once per
     /// list; the messages go to UCX once the lock is released. Stops at the first WR that
     /// cannot be posted (an `Err` item, or a check of `ibv_post_send`), returning its index
-    /// and error: the WRs before it stay posted.
+    /// and error: the WRs before it stay posted. `Ok(true)`: a message went out (an answer is
+    /// expected); `Ok(false)`: every WR completed at post time (the same-host direct path,
+    /// memory-window work, a flush).
     pub fn post_send_list(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
         requests: impl IntoIterator<Item = Result<SendRequest, VerbsError>>,
-    ) -> Result<(), (usize, VerbsError)> {
+    ) -> Result<bool, (usize, VerbsError)> {
         if self.qp_type == QpType::Ud {
             // Each datagram's endpoint comes from the engine's cache (a UCX call), before the
             // queue lock is taken.
@@ -45,7 +49,7 @@ impl QueuePair {
                 req.and_then(|r| self.post_datagram(locked, r))
                     .map_err(|e| (i, e))?;
             }
-            return Ok(());
+            return Ok(true);
         }
         // Most lists hold one WR: its message is kept apart from the rest (no vector).
         let mut first: Option<DataMessage> = None;
@@ -69,6 +73,7 @@ impl QueuePair {
         });
         // The messages themselves are sent straight from here (the hot path), the queue lock
         // released; anything else the posts queued went through the outbox.
+        let sent = first.is_some();
         match first {
             // One message (most lists): nothing to bundle.
             Some(m) if rest.is_empty() => {
@@ -76,7 +81,7 @@ impl QueuePair {
             }
             first => self.send_data_messages(locked, first.into_iter().chain(rest)),
         }
-        posted
+        posted.map(|()| sent)
     }
 
     /// Sends a WR list's messages in order: consecutive small ones to the same peer process on
