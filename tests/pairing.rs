@@ -880,10 +880,8 @@ fn a_misaligned_atomic_from_the_peer_is_an_invalid_request_not_a_silent_drop() {
 
 #[test]
 fn a_process_that_knows_the_secret_cannot_pass_itself_off_as_the_connected_peer() {
-    let mut victim = QpPeer::local("victim", 0x11);
-    let mut a = QpPeer::local("a", 0x22);
-    victim.connect(a.lid, a.qpn, 0x10, 0x20, 7, 7);
-    a.connect(victim.lid, victim.qpn, 0x20, 0x10, 7, 7);
+    // The victim numbers from 0x20 and expects a's SENDs from 0x10.
+    let (mut victim, mut a) = connected_pair(0x20, 0x10, 7);
     victim.cmd("recv 1 64 1");
     let mut hostile = Hostile::start();
     hostile.cmd(&format!("connect {} {}", victim.lid, victim.qpn));

@@ -16,6 +16,7 @@ use crate::fake_verbs::work::{
     InlineData, RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination,
 };
 use crate::sys::*;
+use crate::ucp::LockedWorker;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
@@ -746,15 +747,8 @@ pub(crate) unsafe extern "C" fn post_send(
             cur = unsafe { (*cur).next };
             Some(req)
         });
-        // An answer is expected (the adaptive progress thread stays awake for it) unless
-        // every WR completed at post time: a direct WRITE keeps no thread spinning beside an
-        // application that posts them (on 2 cores it took the CPU the application needed).
-        let posted = qp_obj.post_send_list(&locked, requests);
-        if !matches!(posted, Ok(false)) {
-            engine.note_post();
-        }
-        match posted {
-            Ok(_) => 0,
+        match post_send_list(engine, &locked, qp_obj, requests) {
+            Ok(()) => 0,
             Err((index, e)) => {
                 tracing::debug!("qp {:#x}: post_send: {e}", qp_obj.qp_num);
                 if !bad_wr.is_null() {
@@ -766,6 +760,23 @@ pub(crate) unsafe extern "C" fn post_send(
             }
         }
     })
+}
+
+/// Posts a send WR list (`ibv_post_send`, `ibv_wr_complete`, `ugdr_post_send`). The
+/// application then expects an answer, and the adaptive progress thread stays awake for it,
+/// unless every WR completed at post time: direct WRITEs keep no thread spinning beside an
+/// application that posts them (on 2 cores that thread took the CPU the application needed).
+pub(crate) fn post_send_list(
+    engine: &Engine,
+    locked: &LockedWorker<'_>,
+    qp: &Arc<QueuePair>,
+    requests: impl IntoIterator<Item = Result<SendRequest, VerbsError>>,
+) -> Result<(), (usize, VerbsError)> {
+    let posted = qp.post_send_list(locked, requests);
+    if !matches!(posted, Ok(false)) {
+        engine.note_post();
+    }
+    posted.map(|_| ())
 }
 
 /// The `index`th WR of a NULL-terminated WR list (`ibv_send_wr` or `ugdr_send_wr`).
@@ -1100,14 +1111,8 @@ unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
             return libc::EINVAL;
         };
         let locked = engine.worker.lock();
-        let posted = shell
-            .inner
-            .post_send_list(&locked, requests.into_iter().map(Ok));
-        if !matches!(posted, Ok(false)) {
-            engine.note_post(); // as in post_send
-        }
-        match posted {
-            Ok(_) => 0,
+        match post_send_list(engine, &locked, &shell.inner, requests.into_iter().map(Ok)) {
+            Ok(()) => 0,
             Err((_, e)) => e.errno(),
         }
     })

@@ -795,12 +795,8 @@ pub unsafe extern "C" fn ugdr_post_send(
             // SAFETY: as above.
             Some(unsafe { send_request(w, &q.caps) })
         });
-        let posted = q.post_send_list(&locked, requests);
-        if !matches!(posted, Ok(false)) {
-            engine.note_post(); // as ibv_post_send
-        }
-        match posted {
-            Ok(_) => 0,
+        match super::ibv_qp::post_send_list(engine, &locked, q, requests) {
+            Ok(()) => 0,
             Err((index, e)) => {
                 tracing::debug!("qp {:#x}: ugdr_post_send: {e}", q.qp_num);
                 if !bad_wr.is_null() {

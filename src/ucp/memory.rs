@@ -280,14 +280,11 @@ fn drain(cell: &Liveness, deadline: Instant) -> bool {
     true
 }
 
-/// Memory the application registered: `len` bytes at `addr`.
+/// Memory the application registered: its extent (range, liveness cell, on-demand), which
+/// this owner retires when dropped.
 #[derive(Debug)]
 pub struct AppRegion {
-    addr: u64,
-    len: u64,
-    pin: Pin,
-    /// On-demand paging: check the mappings before cutting each span.
-    on_demand: bool,
+    extent: RegionExtent,
 }
 
 impl std::fmt::Debug for Pin {
@@ -358,39 +355,42 @@ impl AppRegion {
             pin
         });
         AppRegion {
-            addr,
-            len,
-            pin,
-            on_demand,
+            extent: RegionExtent {
+                addr,
+                len,
+                pin,
+                on_demand,
+            },
         }
     }
 
     pub fn is_on_demand(&self) -> bool {
-        self.on_demand
+        self.extent.on_demand
     }
 
     pub fn addr(&self) -> u64 {
-        self.addr
+        self.extent.addr
     }
 
     pub fn len(&self) -> u64 {
-        self.len
+        self.extent.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.extent.len == 0
     }
 
     /// False once the memory was unmapped or replaced (or the region dropped); an on-demand
     /// region lives until it is dropped.
     pub fn is_live(&self) -> bool {
-        self.pin.is_live()
+        self.extent.is_live()
     }
 
     /// Whether `[addr, addr + len)` lies inside this region (overflow-safe).
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        match (addr.checked_add(len), self.addr.checked_add(self.len)) {
-            (Some(end), Some(region_end)) => addr >= self.addr && end <= region_end,
+        let e = &self.extent;
+        match (addr.checked_add(len), e.addr.checked_add(e.len)) {
+            (Some(end), Some(region_end)) => addr >= e.addr && end <= region_end,
             _ => false,
         }
     }
@@ -404,28 +404,24 @@ impl AppRegion {
     /// The span `[addr, addr + len)` if it lies inside this region (overflow-safe) and, for an
     /// on-demand region, is mapped now, readable, and writable when `write`.
     pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
-        self.extent().span_for(addr, len, write)
+        self.extent.span_for(addr, len, write)
     }
 
     /// A copy of what cutting spans needs, owning nothing: spans cut through it die with this
-    /// region as any others do (a queue pair's key cache keeps one, `fake_verbs::mr`).
+    /// region as any others do (a cache of a key's region can keep one).
     pub fn extent(&self) -> RegionExtent {
-        RegionExtent {
-            addr: self.addr,
-            len: self.len,
-            pin: self.pin,
-            on_demand: self.on_demand,
-        }
+        self.extent
     }
 }
 
-/// A registered region's range and liveness cell, copied out of its [`AppRegion`]: it keeps
-/// nothing alive, and every span it cuts is checked against the region's generation.
+/// A registered region's range and liveness cell (an [`AppRegion`] owns one; a copy keeps
+/// nothing alive, and every span it cuts is checked against the region's generation).
 #[derive(Debug, Clone, Copy)]
 pub struct RegionExtent {
     addr: u64,
     len: u64,
     pin: Pin,
+    /// On-demand paging: check the mappings before cutting each span.
     on_demand: bool,
 }
 
@@ -550,11 +546,9 @@ impl Drop for HostBuffer {
 impl Drop for AppRegion {
     fn drop(&mut self) {
         // Retire this generation: spans still around see it dead from now on.
-        self.pin
-            .cell
-            .state
-            .store((self.pin.live | 1) + 1, Ordering::SeqCst);
-        let cell = self.pin.cell;
+        let pin = self.extent.pin;
+        pin.cell.state.store((pin.live | 1) + 1, Ordering::SeqCst);
+        let cell = pin.cell;
         updating(|registry| {
             if let Some(r) = registry
                 .regions
