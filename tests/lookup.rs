@@ -88,7 +88,7 @@ impl Scratch {
     fn helper(&self) -> PathBuf {
         let to = self.0.join("lookup_helper");
         if !to.exists() {
-            std::fs::copy(helper(), &to).unwrap();
+            copy_executable(helper(), &to);
         }
         to
     }

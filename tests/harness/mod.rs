@@ -32,6 +32,25 @@ pub fn ugdr_bin() -> PathBuf {
 
 /// Fails the test (never skips) when a program the test needs is not installed.
 /// A `program` containing a `/` is a path and must exist as given.
+/// Copies `from` to `to` in a child process (`cp`), not in this one: while
+/// this process held the copy open for writing, a child that another test
+/// thread forked meanwhile would inherit that descriptor until it execs, and
+/// running the copy in that window fails with ETXTBSY ("Text file busy").
+pub fn copy_executable(from: &std::path::Path, to: &std::path::Path) {
+    let status = Command::new("cp")
+        .arg("--")
+        .arg(from)
+        .arg(to)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run cp: {e}"));
+    assert!(
+        status.success(),
+        "cp {} {} failed ({status})",
+        from.display(),
+        to.display()
+    );
+}
+
 pub fn require(program: &str) -> String {
     if program.contains('/') {
         assert!(
@@ -513,8 +532,7 @@ impl NetnsPair {
         let to = self
             .lib_dir
             .join(file.file_name().expect("a file name to stage"));
-        std::fs::copy(file, &to)
-            .unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", file.display(), to.display()));
+        copy_executable(file, &to);
         to
     }
 
