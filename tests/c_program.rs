@@ -31,6 +31,40 @@ fn c_program_with_verbs_inlines_runs_under_ugdr() {
     );
 }
 
+/// A program that starts no thread of its own: UCX's threads (started through the libc of
+/// UCX's own namespace) must never run its libc's `malloc` while that libc believes the
+/// process single-threaded and so takes no locks (tests/c/malloc_guard.c counts such calls).
+/// They did: the dynamic linker allocates UCX's thread-locals with the application's
+/// `malloc`, and the heap was sometimes corrupted at engine start (once in some hundred runs
+/// under load; the guard counted such a call in 9 runs of 10).
+#[test]
+fn ucxs_threads_never_run_the_applications_malloc_unlocked() {
+    let exe = build_c("rc_loopback", &["-libverbs"]);
+    let guard = build_c("malloc_guard", &["-shared", "-fPIC"]);
+    for transports in [None, Some("sysv,self,tcp"), None] {
+        let mut cmd = Command::new(&exe);
+        cmd.env(
+            "LD_PRELOAD",
+            format!("{} {}", lib_path().display(), guard.display()),
+        );
+        if let Some(tls) = transports {
+            cmd.env("UCX_TLS", tls);
+        }
+        let out = run(
+            cmd,
+            "rc_loopback with malloc_guard",
+            Duration::from_secs(60),
+        );
+        assert_success(&out, "rc_loopback with malloc_guard");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("malloc_guard: 0 unlocked calls"),
+            "UCX_TLS={transports:?}\n{}",
+            text(&out)
+        );
+    }
+}
+
 /// The rarely used entry points (`ibv_query_qp_data_in_order`, `ibv_import_*`,
 /// `ibv_unimport_*`, `ibv_import_device`, `ibv_resolve_eth_l2_from_gid`, every rsocket) with
 /// ugdr's objects: each answers as rdma-core does (for a device without the feature where

@@ -68,8 +68,36 @@ impl Rdma {
     }
 }
 
+/// Makes the application's libc treat the process as multi-threaded before UCX, loaded in a
+/// namespace of its own, starts threads through *its* libc (its async thread, at worker
+/// creation), which the application's libc never hears of.
+///
+/// Why it matters: glibc's `malloc` skips its locks while `__libc_single_threaded` is set, and
+/// each libc copy keeps its own flag, cleared only by its own `pthread_create`. The dynamic
+/// linker allocates a thread's TLS blocks of dynamically loaded libraries with the *main*
+/// namespace's `malloc` — and UCX's async thread allocates libucs's TLS at once
+/// (`ucs_log_set_thread_name`). In an application that had not started a thread itself (most
+/// verbs programs), that thread and the application's own thread then ran the main `malloc`
+/// at the same time without locks, and the heap was sometimes corrupted ("malloc(): mismatching
+/// next->prev_size", "corrupted double-linked list"), seen at engine start under load.
+///
+/// A thread started and joined through the application's libc clears the flag for good (it is
+/// set again only in the child of a `fork`, hence the call before every context too).
+pub(crate) fn mark_process_multithreaded() {
+    match std::thread::Builder::new()
+        .name("ugdr-start".into())
+        .spawn(|| {})
+    {
+        Ok(thread) => {
+            let _ = thread.join();
+        }
+        Err(e) => tracing::warn!("cannot start a thread before UCX starts its own: {e}"),
+    }
+}
+
 /// Loads libucp into a new link-map namespace; Err(reason) when the loader refuses.
 fn load_in_own_namespace() -> Result<(sys::UcxLibrary, usize, i64), String> {
+    mark_process_multithreaded();
     // SAFETY: loading libucp runs its constructors (libucs's ucs_init) in the new namespace,
     // which is what any UCX user does; the library is kept loaded for the life of the process.
     let handle = unsafe {
