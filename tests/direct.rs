@@ -425,7 +425,10 @@ fn target_role() {
     };
     let ro = Region::new(RO_LEN);
     let recv = Region::new(PAGE);
-    let mut rw_mr = rw.reg(&dev, LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ);
+    let mut rw_mr = rw.reg(
+        &dev,
+        LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC,
+    );
     let ro_mr = ro.reg(&dev, LOCAL_WRITE | REMOTE_READ);
     let recv_mr = recv.reg(&dev, LOCAL_WRITE);
     let mut qp = dev.rc_qp(cq, cq, 64);
@@ -800,7 +803,53 @@ fn scenario_while_stopped(relay: &mut Relay, link: &mut Link) {
         "read ro",
     );
     assert!(back.bytes()[..100].iter().all(|b| *b == 0));
+    // Atomics on 8 bytes past what was written (zeros so far), each returning the value before.
+    const AT: usize = LEN + 64;
+    let (fetch_add, cmp_swap) = (
+        ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD,
+        ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP,
+    );
+    let steps: [(ibv_wr_opcode, u64, u64, u64); 4] = [
+        (fetch_add, 5, 0, 0),
+        (fetch_add, 7, 0, 5),
+        (cmp_swap, 12, 100, 12),
+        (cmp_swap, 1, 2, 100), // no match: unchanged
+    ];
+    for (i, (op, compare_add, swap, before)) in steps.into_iter().enumerate() {
+        let id = 20 + i as u64;
+        let mut sge = [ibv_sge {
+            addr: back.addr() + 128,
+            length: 8,
+            lkey: unsafe { (*back_mr).lkey },
+        }];
+        let mut wr = atomic_wr(
+            id,
+            &mut sge,
+            op,
+            link.rw_addr + AT as u64,
+            link.rw_rkey,
+            compare_add,
+            swap,
+        );
+        assert_eq!(post_one_send(link.qp, &mut wr), 0);
+        let opcode = if op == fetch_add {
+            ibv_wc_opcode::IBV_WC_FETCH_ADD
+        } else {
+            ibv_wc_opcode::IBV_WC_COMP_SWAP
+        };
+        link.expect(id, ibv_wc_status::IBV_WC_SUCCESS, opcode, "atomic");
+        assert_eq!(
+            back.bytes()[128..136],
+            before.to_le_bytes(),
+            "atomic step {i}: the value before"
+        );
+    }
     relay.signal("cont-target");
+    assert_eq!(
+        relay.ask(&format!("hash {AT} 8")),
+        format!("hash {}", fnv(&100u64.to_le_bytes())),
+        "the atomics' result in the target's memory"
+    );
     let want = fnv(&link.local.bytes()[..LEN]);
     assert_eq!(relay.ask(&format!("hash 8 {LEN}")), format!("hash {want}"));
     assert_eq!(
@@ -813,7 +862,8 @@ fn scenario_while_stopped(relay: &mut Relay, link: &mut Link) {
 fn scenario_refusals(relay: &mut Relay, link: &mut Link) {
     type Target = fn(&Link) -> (ibv_wr_opcode, u64, u32);
     const WRITE: ibv_wr_opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-    let cases: [(&str, Target); 5] = [
+    const FETCH_ADD: ibv_wr_opcode = ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+    let cases: [(&str, Target); 6] = [
         ("unknown rkey", |l| {
             (WRITE, l.rw_addr, l.rw_rkey ^ 0x0010_0000)
         }),
@@ -823,6 +873,7 @@ fn scenario_refusals(relay: &mut Relay, link: &mut Link) {
             (WRITE, l.rw_addr + RW_LEN as u64 - 8, l.rw_rkey)
         }),
         ("before the start", |l| (WRITE, l.rw_addr - 8, l.rw_rkey)),
+        ("no remote atomic", |l| (FETCH_ADD, l.ro_addr, l.ro_rkey)),
     ];
     fill(link, 64, 0xc3);
     let zeros = fnv(&vec![0u8; RW_LEN]);
@@ -832,8 +883,14 @@ fn scenario_refusals(relay: &mut Relay, link: &mut Link) {
         }
         let (op, addr, rkey) = target(link);
         relay.signal("stop-target");
-        let mut sge = [link.sge(0, 64)];
-        link.post(10 + i as u64, op, &mut sge, addr, rkey);
+        if op == FETCH_ADD {
+            let mut sge = [link.sge(0, 8)];
+            let mut wr = atomic_wr(10 + i as u64, &mut sge, op, addr, rkey, 1, 0);
+            assert_eq!(post_one_send(link.qp, &mut wr), 0);
+        } else {
+            let mut sge = [link.sge(0, 64)];
+            link.post(10 + i as u64, op, &mut sge, addr, rkey);
+        }
         assert!(
             link.completion(Duration::from_millis(300)).is_none(),
             "{what}: completed without the target: the direct path accepted it"

@@ -89,6 +89,15 @@ impl QpPeer {
         QpPeer::start(cmd, name)
     }
 
+    /// qp_peer on this host with `env` added to its environment.
+    fn local_with(name: &str, fill: u8, env: &[(&str, &str)]) -> QpPeer {
+        let mut cmd = Command::new(qp_peer_exe());
+        cmd.arg(fill.to_string())
+            .env("LD_PRELOAD", lib_path())
+            .envs(env.iter().copied());
+        QpPeer::start(cmd, name)
+    }
+
     /// qp_peer in namespace `ns` of `pair`.
     fn in_namespace(pair: &NetnsPair, ns: &str, name: &str, fill: u8) -> QpPeer {
         let staged = pair.stage_dir().join("qp_peer");
@@ -176,7 +185,17 @@ impl QpPeer {
 
     /// Runs one command; its answer lines (a verb that failed fails the test).
     fn cmd(&mut self, command: &str) -> Vec<String> {
+        self.start_cmd(command);
+        self.answer(command)
+    }
+
+    /// Sends one command without waiting for its answer ([`QpPeer::answer`]).
+    fn start_cmd(&mut self, command: &str) {
         writeln!(self.stdin, "{command}").expect("qp_peer stdin");
+    }
+
+    /// The answer lines of the command sent last (a verb that failed fails the test).
+    fn answer(&mut self, command: &str) -> Vec<String> {
         let mut answer = Vec::new();
         loop {
             let line = self.next_line(Duration::from_secs(60));
@@ -921,5 +940,67 @@ fn a_process_that_knows_the_secret_cannot_pass_itself_off_as_the_connected_peer(
         a.poll(1, Duration::from_secs(10))[0].status,
         0,
         "a's send completes"
+    );
+}
+
+/// Two processes fetch-and-add on one counter of a third: one on the same-host direct path
+/// (it runs the atomic in the target's memory itself) and one whose atomics the target's
+/// responder executes (`UGDR_DIRECT=off`). As with a HCA's atomics, the two are atomic with
+/// each other: every value the counter held is returned exactly once (sum and sum of squares
+/// of all returned values), and it ends at their total.
+#[test]
+fn atomics_on_the_direct_path_and_as_messages_are_atomic_with_each_other() {
+    let mut target = QpPeer::local("target", 0);
+    target.cmd("qpns 1");
+    let mut direct = QpPeer::local_with("direct", 0x11, &[("UGDR_LOG", "debug")]);
+    let mut messages = QpPeer::local_with("messages", 0x22, &[("UGDR_DIRECT", "off")]);
+    for (index, peer) in [(0, &mut direct), (1, &mut messages)] {
+        target.use_qp(index);
+        target.connect(peer.lid, peer.qpn, 0, 0, 7, 7);
+        peer.connect(target.lid, target.qpn, 0, 0, 7, 7);
+    }
+    let fadd = |count: u64| format!("fadd {} {} {count}", target.rkey, target.addr);
+    // "fadd sum S sumsq Q max M" -> (S, Q)
+    let totals = |answer: Vec<String>| -> (u64, u64) {
+        let line = answer
+            .iter()
+            .find_map(|l| l.strip_prefix("fadd "))
+            .unwrap_or_else(|| panic!("no fadd line in {answer:?}"));
+        let v: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .step_by(2)
+            .map(|x| x.parse().unwrap())
+            .collect();
+        (v[0], v[1])
+    };
+    // Both paths warmed up first (the first message sets its endpoint up), then run at once,
+    // the direct one longer so that the other's atomics all fall among its own.
+    let (mut sum, mut sumsq) = (0, 0);
+    for peer in [&mut direct, &mut messages] {
+        let (s, q) = totals(peer.cmd(&fadd(10)));
+        (sum, sumsq) = (sum + s, sumsq + q);
+    }
+    let (d, m) = (fadd(100_000), fadd(20_000));
+    direct.start_cmd(&d);
+    messages.start_cmd(&m);
+    for (peer, command) in [(&mut direct, &d), (&mut messages, &m)] {
+        let (s, q) = totals(peer.answer(command));
+        (sum, sumsq) = (sum + s, sumsq + q);
+    }
+    let n: u64 = 20 + 120_000;
+    assert_eq!(sum, n * (n - 1) / 2, "sum of the values returned");
+    assert_eq!(sumsq, (n - 1) * n * (2 * n - 1) / 6, "sum of their squares");
+    let last = direct.cmd(&fadd(1));
+    assert!(
+        last.iter()
+            .any(|l| l == &format!("fadd sum {n} sumsq {} max {n}", n * n)),
+        "the counter ends at {n}: {last:?}"
+    );
+    let log = direct.stderr();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("direct path to pid") && !l.contains(" 0 atomics")),
+        "the direct peer's atomics did not take the direct path:\n{log}"
     );
 }

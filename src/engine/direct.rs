@@ -1,6 +1,7 @@
 //! The same-host one-sided path: an RDMA WRITE or READ to a peer process on this host is a
-//! `memcpy` by the requester into (or out of) the peer's registered pages, mapped here, with
-//! no message and nothing asked of the peer's CPU (docs/design.md).
+//! `memcpy` by the requester into (or out of) the peer's registered pages, mapped here, and a
+//! fetch-and-add or compare-and-swap one CPU atomic on them, with no message and nothing
+//! asked of the peer's CPU (docs/design.md).
 //!
 //! Each process publishes, in its [`Table`], the memory regions peers may reach (rkey, PD,
 //! access, range, the memfd holding the pages) and the queue pairs they may reach them through
@@ -17,6 +18,7 @@
 //! the lock: once a withdrawal returns, nothing more lands.
 
 use super::Engine;
+pub use crate::shared_memory::AtomicOp;
 use crate::shared_memory::{Backing, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, Table};
 use crate::ucp::AppSpan;
 use rustc_hash::FxBuildHasher;
@@ -27,6 +29,8 @@ use std::sync::{Arc, Mutex};
 /// `IBV_ACCESS_REMOTE_WRITE` / `_READ` as published in the slots.
 pub const REMOTE_WRITE: u32 = 1 << 1;
 pub const REMOTE_READ: u32 = 1 << 2;
+/// `IBV_ACCESS_REMOTE_ATOMIC`.
+pub const REMOTE_ATOMIC: u32 = 1 << 3;
 
 /// Whether the direct path is on (`UGDR_DIRECT=off` turns it off).
 pub fn enabled() -> bool {
@@ -55,14 +59,49 @@ pub fn self_check() -> std::io::Result<()> {
 pub struct DirectCounters {
     pub writes: AtomicU64,
     pub reads: AtomicU64,
+    pub atomics: AtomicU64,
     pub fallbacks: AtomicU64,
 }
 
 pub static COUNTERS: DirectCounters = DirectCounters {
     writes: AtomicU64::new(0),
     reads: AtomicU64::new(0),
+    atomics: AtomicU64::new(0),
     fallbacks: AtomicU64::new(0),
 };
+
+/// What a requester does in a peer's memory on the direct path.
+#[derive(Debug, Clone, Copy)]
+pub enum DirectOp<'a> {
+    /// An RDMA WRITE of these spans' bytes.
+    Write(&'a [AppSpan]),
+    /// An RDMA READ into these spans.
+    Read(&'a [AppSpan]),
+    /// An atomic on the 8 bytes at the remote address; the value they held before lands in
+    /// these spans (8 bytes, as the responder's answer carries it).
+    Atomic(AtomicOp, &'a [AppSpan]),
+}
+
+impl DirectOp<'_> {
+    /// The access the target QP and region must grant.
+    fn needs(&self) -> u32 {
+        match self {
+            DirectOp::Write(_) => REMOTE_WRITE,
+            DirectOp::Read(_) => REMOTE_READ,
+            DirectOp::Atomic(..) => REMOTE_ATOMIC,
+        }
+    }
+
+    /// The bytes it touches in the target's memory.
+    fn remote_len(&self) -> u64 {
+        match self {
+            DirectOp::Write(spans) | DirectOp::Read(spans) => {
+                spans.iter().map(|s| s.len() as u64).sum()
+            }
+            DirectOp::Atomic(..) => 8,
+        }
+    }
+}
 
 /// This process's published memory (owner side).
 pub struct LocalMemory {
@@ -359,18 +398,16 @@ impl PeerMemory {
         })
     }
 
-    /// An RDMA WRITE (`write`) or READ of `spans` at `remote_addr` under `rkey`, through the
-    /// peer's QP `dst_qpn`, from this process's QP `my_qpn` on port `my_lid`.
-    #[allow(clippy::too_many_arguments)]
+    /// `op` at `remote_addr` under `rkey`, through the peer's QP `dst_qpn`, from this
+    /// process's QP `my_qpn` on port `my_lid`.
     pub fn access(
         &self,
-        write: bool,
+        op: DirectOp<'_>,
         my_lid: u16,
         my_qpn: u32,
         dst_qpn: u32,
         rkey: u32,
         remote_addr: u64,
-        spans: &[AppSpan],
     ) -> Result<(), Refused> {
         let qp = self.table.qp(qp_slot(dst_qpn));
         if qp
@@ -380,39 +417,39 @@ impl PeerMemory {
         {
             return Err(Refused::Busy);
         }
-        let result = self.access_locked(write, my_lid, my_qpn, dst_qpn, rkey, remote_addr, spans);
+        let result = self.access_locked(op, my_lid, my_qpn, dst_qpn, rkey, remote_addr);
         qp.lock.store(0, Ordering::Release);
-        let counter = match (&result, write) {
-            (Ok(()), true) => &COUNTERS.writes,
-            (Ok(()), false) => &COUNTERS.reads,
+        let counter = match (&result, op) {
+            (Ok(()), DirectOp::Write(_)) => &COUNTERS.writes,
+            (Ok(()), DirectOp::Read(_)) => &COUNTERS.reads,
+            (Ok(()), DirectOp::Atomic(..)) => &COUNTERS.atomics,
             (Err(_), _) => &COUNTERS.fallbacks,
         };
         let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
         if n.is_power_of_two() {
             // Observable with UGDR_LOG=debug, at a logarithmic cost.
             tracing::debug!(
-                "direct path to pid {}: {} writes, {} reads, {} fell back to messages",
+                "direct path to pid {}: {} writes, {} reads, {} atomics, {} fell back to messages",
                 self.pid,
                 COUNTERS.writes.load(Ordering::Relaxed),
                 COUNTERS.reads.load(Ordering::Relaxed),
+                COUNTERS.atomics.load(Ordering::Relaxed),
                 COUNTERS.fallbacks.load(Ordering::Relaxed)
             );
         }
         result
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn access_locked(
         &self,
-        write: bool,
+        op: DirectOp<'_>,
         my_lid: u16,
         my_qpn: u32,
         dst_qpn: u32,
         rkey: u32,
         remote_addr: u64,
-        spans: &[AppSpan],
     ) -> Result<(), Refused> {
-        let needed = if write { REMOTE_WRITE } else { REMOTE_READ };
+        let needed = op.needs();
         let qp = self.table.qp(qp_slot(dst_qpn));
         let qp_seq = qp.seq.load(Ordering::SeqCst);
         let pd = qp.pd.load(Ordering::Relaxed);
@@ -426,7 +463,7 @@ impl PeerMemory {
         }
         let mr = self.table.mr(rkey as usize % MR_SLOTS);
         let mr_seq = mr.seq.load(Ordering::SeqCst);
-        let len: u64 = spans.iter().map(|s| s.len() as u64).sum();
+        let len = op.remote_len();
         let iova = mr.iova.load(Ordering::Relaxed);
         let mr_len = mr.len.load(Ordering::Relaxed);
         let inside = remote_addr >= iova
@@ -450,12 +487,14 @@ impl PeerMemory {
             .checked_add(remote_addr - iova)
             .ok_or(Refused::NotPublished)?;
         let backing = self.backing(fd, ino)?;
-        let copied = if write {
-            backing.write(offset, spans)
-        } else {
-            backing.read(offset, spans)
+        let done = match op {
+            DirectOp::Write(spans) => backing.write(offset, spans),
+            DirectOp::Read(spans) => backing.read(offset, spans),
+            DirectOp::Atomic(atomic, result) => backing.atomic(offset, atomic).map(|old| {
+                crate::ucp::scatter(result, &old.to_le_bytes());
+            }),
         };
-        copied.map_err(|e| {
+        done.map_err(|e| {
             tracing::debug!("direct access to pid {}: {e}", self.pid);
             Refused::Unreachable
         })

@@ -178,7 +178,7 @@ fn check_host_registration(region: &AppRegion, iova: u64, access: u32) -> Result
 /// against the mappings), and the rkey naming it; None when the path is off or full, or the
 /// region is empty (a zero-length device-memory MR has nothing to publish).
 fn direct_slot(access: u32, region: &AppRegion) -> Option<(u16, u32)> {
-    let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
+    let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0;
     if !remote || region.is_on_demand() || region.is_empty() {
         return None;
     }
@@ -198,7 +198,8 @@ impl Registration {
         dm: Option<Arc<DeviceMemory>>,
         (lkey, rkey, slot): (u32, u32, Option<u16>),
     ) -> Arc<Registration> {
-        let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE) != 0;
+        let remote =
+            access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0;
         let published = match (Engine::local_memory(), slot) {
             (Some(m), Some(s)) if remote && !region.is_on_demand() => m.publish_region(
                 s,

@@ -317,6 +317,13 @@ fn resident_pages(base: u64, pages: u64) -> Vec<bool> {
         .collect()
 }
 
+/// An RDMA atomic on 8 bytes of a peer's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtomicOp {
+    FetchAdd(u64),
+    CompareSwap { compare: u64, swap: u64 },
+}
+
 /// A peer's backing, mapped here (requester side).
 pub struct PeerBacking {
     mapping: Mapping,
@@ -366,6 +373,32 @@ impl PeerBacking {
             at += s.len();
         }
         Ok(())
+    }
+
+    /// Applies `op` to the 8 bytes at `offset` in the peer's memory as one atomic
+    /// read-modify-write (host byte order, as the peer's responder executes atomics that
+    /// arrive as messages, so both stay atomic with each other); the value they held before.
+    /// EINVAL when those bytes are not 8-byte aligned.
+    pub fn atomic(&self, offset: u64, op: AtomicOp) -> io::Result<u64> {
+        let at = self.check(offset, 8)?;
+        // SAFETY: `at + 8` lies inside the mapping (checked above).
+        let p = unsafe { self.mapping.base().add(at) };
+        if !(p as usize).is_multiple_of(8) {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: 8 aligned bytes inside a live shared mapping of plain memory; the peer and
+        // other requesters only ever change them with atomics of the same width (or racing
+        // stores the verbs contract leaves undefined), never through Rust references.
+        let cell = unsafe { std::sync::atomic::AtomicU64::from_ptr(p.cast::<u64>()) };
+        let order = std::sync::atomic::Ordering::SeqCst;
+        Ok(match op {
+            AtomicOp::FetchAdd(add) => cell.fetch_add(add, order),
+            AtomicOp::CompareSwap { compare, swap } => {
+                match cell.compare_exchange(compare, swap, order, order) {
+                    Ok(v) | Err(v) => v,
+                }
+            }
+        })
     }
 
     /// Copies bytes at `offset` in the peer's memory into `spans`, in order.

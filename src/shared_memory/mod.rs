@@ -18,7 +18,7 @@
 mod backing;
 mod table;
 
-pub use backing::{Backing, PeerBacking};
+pub use backing::{AtomicOp, Backing, PeerBacking};
 pub use table::{MR_SLOTS, MrSlot, PeerTable, QP_SLOTS, QpSlot, Table};
 
 use std::io;

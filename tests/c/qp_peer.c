@@ -14,6 +14,9 @@
  *                                 the send half, its first 4 bytes set to i
  *   write WR_ID RKEY RADDR LEN    a signaled RDMA WRITE of LEN bytes from the send half
  *   read WR_ID RKEY RADDR LEN     a signaled RDMA READ of LEN bytes into the receive half
+ *   fadd RKEY RADDR COUNT         COUNT FETCH_AND_ADDs of 1 at RADDR, one at a time, each
+ *                                 completion checked: "fadd sum S sumsq Q max M" over the
+ *                                 values they returned
  *   poll N MS                     up to N completions within MS ms: "wc ..." lines, then
  *                                 "polled K"
  *   drain N MS                    up to N completions within MS ms: "first ..." (the first
@@ -152,6 +155,42 @@ static void post_recvs(uint64_t wr_id, uint32_t len, int count)
     }
 }
 
+static void fetch_adds(uint32_t rkey, uint64_t raddr, int count)
+{
+    unsigned long long sum = 0, sumsq = 0, max = 0;
+    uint64_t *result = (uint64_t *)(buf + RECV_HALF);
+    for (int i = 0; i < count; i++) {
+        struct ibv_sge sge = { (uintptr_t)result, 8, mr->lkey };
+        struct ibv_send_wr wr = { .wr_id = (uint64_t)i, .sg_list = &sge, .num_sge = 1,
+                                  .opcode = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                                  .send_flags = IBV_SEND_SIGNALED }, *bad;
+        wr.wr.atomic.rkey = rkey;
+        wr.wr.atomic.remote_addr = raddr;
+        wr.wr.atomic.compare_add = 1;
+        int rc = ibv_post_send(qp, &wr, &bad);
+        if (rc) {
+            answer_rc(rc, "post_send");
+            return;
+        }
+        struct ibv_wc wc;
+        time_t until = time(NULL) + 10;
+        while ((rc = ibv_poll_cq(cq, 1, &wc)) == 0 && time(NULL) < until) {
+        }
+        if (rc != 1 || wc.status != IBV_WC_SUCCESS || wc.opcode != IBV_WC_FETCH_ADD ||
+            wc.wr_id != (uint64_t)i || wc.byte_len != 8) {
+            printf("err fadd %d: rc %d status %d opcode %d wr_id %" PRIu64 " byte_len %u\n", i, rc,
+                   rc == 1 ? (int)wc.status : -1, rc == 1 ? (int)wc.opcode : -1,
+                   rc == 1 ? wc.wr_id : 0, rc == 1 ? wc.byte_len : 0);
+            return;
+        }
+        sum += *result;
+        sumsq += (unsigned long long)*result * *result;
+        if (*result > max)
+            max = *result;
+    }
+    printf("fadd sum %llu sumsq %llu max %llu\n", sum, sumsq, max);
+}
+
 static void rss(void)
 {
     FILE *f = fopen("/proc/self/status", "r");
@@ -229,6 +268,8 @@ int main(int argc, char **argv)
             wr.wr.rdma.rkey = (uint32_t)b;
             wr.wr.rdma.remote_addr = c;
             answer_rc(ibv_post_send(qp, &wr, &bad), "post_send");
+        } else if (!strcmp(cmd, "fadd")) {
+            fetch_adds((uint32_t)a, b, (int)c);
         } else if (!strcmp(cmd, "poll") || !strcmp(cmd, "drain")) {
             poll_cmd((int)a, (int)b, !strcmp(cmd, "drain"));
         } else if (!strcmp(cmd, "seq")) {

@@ -10,6 +10,7 @@ use super::super::work::{SendOpcode, SendRequest, WcStatus, WorkCompletion};
 use super::super::{VerbsError, device};
 use super::queues::{DataMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
+use crate::engine::direct::{AtomicOp, DirectOp};
 use crate::engine::wire::{self, Header, Op};
 use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState};
 use smallvec::SmallVec;
@@ -571,9 +572,16 @@ impl QueuePair {
         length: u64,
         keys: &mut KeyCache,
     ) -> Option<Option<DataMessage>> {
-        let write = match (op, req.opcode) {
-            (Op::Write, SendOpcode::RdmaWrite) => true,
-            (Op::ReadRequest, _) => false,
+        let kind = match (op, req.opcode) {
+            (Op::Write, SendOpcode::RdmaWrite) => Direct::Write,
+            (Op::ReadRequest, _) => Direct::Read,
+            (Op::Atomic, SendOpcode::AtomicFetchAndAdd) => {
+                Direct::Atomic(AtomicOp::FetchAdd(req.compare_add))
+            }
+            (Op::Atomic, SendOpcode::AtomicCmpAndSwp) => Direct::Atomic(AtomicOp::CompareSwap {
+                compare: req.compare_add,
+                swap: req.swap,
+            }),
             _ => return None,
         };
         if self.qp_type != QpType::Rc || length == 0 {
@@ -585,19 +593,24 @@ impl QueuePair {
         if q.sq.iter().any(|e| e.outcome.is_none()) {
             return None;
         }
+        let lands_here = kind != Direct::Write;
         let spans = match &req.inline_data {
             Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
-            None => local_spans_cached(&self.pd, &req.sges, !write, keys)?,
+            None => local_spans_cached(&self.pd, &req.sges, lands_here, keys)?,
+        };
+        let direct_op = match kind {
+            Direct::Write => DirectOp::Write(&spans),
+            Direct::Read => DirectOp::Read(&spans),
+            Direct::Atomic(atomic) => DirectOp::Atomic(atomic, &spans),
         };
         memory
             .access(
-                write,
+                direct_op,
                 self.local_lid,
                 self.qp_num,
                 peer.qpn,
                 req.rkey,
                 req.remote_addr,
-                &spans,
             )
             .ok()?;
         q.sq.push_back(SendEntry {
@@ -616,4 +629,12 @@ impl QueuePair {
         self.release_send_completions(q);
         Some(None)
     }
+}
+
+/// The requests the direct path carries (`try_direct`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direct {
+    Write,
+    Read,
+    Atomic(AtomicOp),
 }
