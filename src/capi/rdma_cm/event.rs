@@ -11,7 +11,7 @@ use crate::capi::caller::{Caller, export_with_caller};
 use crate::capi::ibv_qp::av_to;
 use crate::cm::{CmEvent, CmId, EventChannel, EventKind, sync_call_result};
 use crate::sys::*;
-use dashmap::DashSet;
+use dashmap::{DashMap, DashSet};
 use rustc_hash::FxBuildHasher;
 use std::cell::UnsafeCell;
 use std::os::raw::{c_char, c_int};
@@ -35,7 +35,11 @@ struct EventShell {
     counted: Arc<CmId>,
 }
 
-static CHANNELS: LazyLock<DashSet<usize, FxBuildHasher>> = LazyLock::new(DashSet::default);
+/// ugdr's channel shells, by address, with the channel each stands for: a lookup hands out
+/// its own reference, so a thread that found a channel keeps using it safely while another
+/// destroys the shell (rping's CM thread asks for its next event as the main thread exits).
+static CHANNELS: LazyLock<DashMap<usize, Arc<EventChannel>, FxBuildHasher>> =
+    LazyLock::new(DashMap::default);
 static EVENTS: LazyLock<DashSet<usize, FxBuildHasher>> = LazyLock::new(DashSet::default);
 
 /// Channels destroyed lately (most recent last, bounded).
@@ -45,12 +49,8 @@ static RETIRED_CHANNELS: LazyLock<std::sync::Mutex<std::collections::VecDeque<us
 /// How long a call on a just-destroyed channel waits before it fails.
 const RETIRED_GRACE: Duration = Duration::from_secs(1);
 
-pub(super) fn our_channel<'a>(ch: *mut rdma_event_channel) -> Option<&'a ChannelShell> {
-    CHANNELS
-        .contains(&(ch as usize))
-        // SAFETY: a registered pointer was published by `Box::into_raw` of a ChannelShell and
-        // is unregistered before it is freed.
-        .then(|| unsafe { &*(ch as *const ChannelShell) })
+pub(super) fn our_channel(ch: *mut rdma_event_channel) -> Option<Arc<EventChannel>> {
+    CHANNELS.get(&(ch as usize)).map(|c| Arc::clone(c.value()))
 }
 
 /// A channel ugdr did not create and has not destroyed lately: the real librdmacm's.
@@ -83,9 +83,7 @@ pub(super) fn requested_channel(
     if ch.is_null() {
         return Ok(None);
     }
-    our_channel(ch)
-        .map(|c| Some(Arc::clone(&c.inner)))
-        .ok_or(libc::EINVAL)
+    our_channel(ch).map(Some).ok_or(libc::EINVAL)
 }
 
 /// The C object for `channel`, created the first time (channels of synchronous ids).
@@ -98,7 +96,7 @@ pub(super) fn channel_shell(channel: &Arc<EventChannel>) -> *mut rdma_event_chan
         raw: UnsafeCell::new(rdma_event_channel { fd: channel.fd() }),
         inner: Arc::clone(channel),
     }));
-    CHANNELS.insert(shell as usize);
+    CHANNELS.insert(shell as usize, Arc::clone(channel));
     channel.set_shell(shell as usize);
     shell.cast()
 }
@@ -131,9 +129,9 @@ pub(super) struct Delivered {
 }
 
 /// Takes the next event of `channel` and turns it into an `rdma_cm_event`.
-pub(super) fn next_event(channel: &ChannelShell) -> Result<Delivered, c_int> {
+pub(super) fn next_event(channel: &EventChannel) -> Result<Delivered, c_int> {
     loop {
-        let event = channel.inner.next().map_err(|e| e.errno())?;
+        let event = channel.next().map_err(|e| e.errno())?;
         if let Some(delivered) = convert_event(event) {
             return Ok(delivered);
         }
@@ -141,8 +139,8 @@ pub(super) fn next_event(channel: &ChannelShell) -> Result<Delivered, c_int> {
 }
 
 /// Like `next_event`, without blocking: `None` while no event is queued.
-fn try_next_event(channel: &ChannelShell) -> Result<Option<Delivered>, c_int> {
-    while let Some(event) = channel.inner.try_next().map_err(|e| e.errno())? {
+fn try_next_event(channel: &EventChannel) -> Result<Option<Delivered>, c_int> {
+    while let Some(event) = channel.try_next().map_err(|e| e.errno())? {
         if let Some(delivered) = convert_event(event) {
             return Ok(Some(delivered));
         }
@@ -281,7 +279,7 @@ pub(super) fn next_sync_event(shell: &IdShell) -> Result<Delivered, c_int> {
     // SAFETY: the id's fields, written by librdmacm's calls on the caller's thread.
     release_kept_event(unsafe { &mut *shell.raw.get() });
     let ch = our_channel(channel_shell(&channel)).ok_or(libc::EINVAL)?;
-    next_event(ch)
+    next_event(&ch)
 }
 
 /// librdmacm's ucma_complete: a synchronous id waits for the event its call raises, keeps it
@@ -371,17 +369,18 @@ pub unsafe extern "C-unwind" fn rdma_get_cm_event(
             if event.is_null() {
                 return Attempt::Done(fail(libc::EINVAL));
             }
-            match try_next_event(ch) {
+            match try_next_event(&ch) {
                 Ok(Some(delivered)) => {
                     // SAFETY: checked non-NULL; the caller's out-pointer.
                     unsafe { *event = delivered.event };
                     Attempt::Done(0)
                 }
-                Ok(None) if ch.inner.is_nonblocking() => Attempt::Done(fail(libc::EAGAIN)),
+                Ok(None) if ch.is_nonblocking() => Attempt::Done(fail(libc::EAGAIN)),
                 Ok(None) => {
-                    waiting_on = Some(Arc::clone(&ch.inner));
+                    let fd = ch.fd();
+                    waiting_on = Some(ch);
                     Attempt::Wait {
-                        fds: [ch.inner.fd(), -1],
+                        fds: [fd, -1],
                         count: 1,
                         timeout_ms: -1,
                     }
