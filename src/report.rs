@@ -43,16 +43,21 @@ pub fn describe(engine: &Engine) -> String {
         engine.secret_origin()
     );
     let direct = if !crate::engine::direct::enabled() {
-        "off (UGDR_DIRECT=off): RDMA WRITE/READ on this host go through messages".to_string()
+        "off (UGDR_DIRECT=off): RDMA WRITE/READ/atomics on this host go through messages"
+            .to_string()
     } else {
         match (&engine.memory, crate::engine::direct::self_check()) {
-            (Some(_), Ok(())) => "on: RDMA WRITE/READ to same-host peers of this user are \
-                 copied by the requester (peers must be dumpable or the requester must have \
+            (Some(_), Ok(())) => {
+                "on: RDMA WRITE/READ and atomics to same-host peers of this user are \
+                 done by the requester (peers must be dumpable or the requester must have \
                  CAP_SYS_PTRACE; otherwise messages)"
-                .to_string(),
-            (None, _) => "unavailable (no memfd): RDMA WRITE/READ go through messages".into(),
+                    .to_string()
+            }
+            (None, _) => {
+                "unavailable (no memfd): RDMA WRITE/READ/atomics go through messages".into()
+            }
             (Some(_), Err(e)) => {
-                format!("not permitted ({e}): RDMA WRITE/READ go through messages")
+                format!("not permitted ({e}): RDMA WRITE/READ/atomics go through messages")
             }
         }
     };
