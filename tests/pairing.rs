@@ -84,9 +84,7 @@ struct QpPeer {
 impl QpPeer {
     /// qp_peer on this host, its buffer filled with `fill`.
     fn local(name: &str, fill: u8) -> QpPeer {
-        let mut cmd = Command::new(qp_peer_exe());
-        cmd.arg(fill.to_string()).env("LD_PRELOAD", lib_path());
-        QpPeer::start(cmd, name)
+        QpPeer::local_with(name, fill, &[])
     }
 
     /// qp_peer on this host with `env` added to its environment.

@@ -70,35 +70,33 @@ pub static COUNTERS: DirectCounters = DirectCounters {
     fallbacks: AtomicU64::new(0),
 };
 
-/// What a requester does in a peer's memory on the direct path.
-#[derive(Debug, Clone, Copy)]
-pub enum DirectOp<'a> {
-    /// An RDMA WRITE of these spans' bytes.
-    Write(&'a [AppSpan]),
-    /// An RDMA READ into these spans.
-    Read(&'a [AppSpan]),
+/// What a requester does in a peer's memory on the direct path, with its local spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirectAccess {
+    /// An RDMA WRITE of the spans' bytes.
+    Write,
+    /// An RDMA READ into the spans.
+    Read,
     /// An atomic on the 8 bytes at the remote address; the value they held before lands in
-    /// these spans (8 bytes, as the responder's answer carries it).
-    Atomic(AtomicOp, &'a [AppSpan]),
+    /// the spans (8 bytes, as the responder's answer carries it).
+    Atomic(AtomicOp),
 }
 
-impl DirectOp<'_> {
+impl DirectAccess {
     /// The access the target QP and region must grant.
-    fn needs(&self) -> u32 {
+    fn needs(self) -> u32 {
         match self {
-            DirectOp::Write(_) => REMOTE_WRITE,
-            DirectOp::Read(_) => REMOTE_READ,
-            DirectOp::Atomic(..) => REMOTE_ATOMIC,
+            DirectAccess::Write => REMOTE_WRITE,
+            DirectAccess::Read => REMOTE_READ,
+            DirectAccess::Atomic(_) => REMOTE_ATOMIC,
         }
     }
 
     /// The bytes it touches in the target's memory.
-    fn remote_len(&self) -> u64 {
+    fn remote_len(self, spans: &[AppSpan]) -> u64 {
         match self {
-            DirectOp::Write(spans) | DirectOp::Read(spans) => {
-                spans.iter().map(|s| s.len() as u64).sum()
-            }
-            DirectOp::Atomic(..) => 8,
+            DirectAccess::Write | DirectAccess::Read => spans.iter().map(|s| s.len() as u64).sum(),
+            DirectAccess::Atomic(_) => 8,
         }
     }
 }
@@ -398,11 +396,13 @@ impl PeerMemory {
         })
     }
 
-    /// `op` at `remote_addr` under `rkey`, through the peer's QP `dst_qpn`, from this
-    /// process's QP `my_qpn` on port `my_lid`.
+    /// `op` with the local `spans` at `remote_addr` under `rkey`, through the peer's QP
+    /// `dst_qpn`, from this process's QP `my_qpn` on port `my_lid`.
+    #[allow(clippy::too_many_arguments)]
     pub fn access(
         &self,
-        op: DirectOp<'_>,
+        op: DirectAccess,
+        spans: &[AppSpan],
         my_lid: u16,
         my_qpn: u32,
         dst_qpn: u32,
@@ -417,12 +417,12 @@ impl PeerMemory {
         {
             return Err(Refused::Busy);
         }
-        let result = self.access_locked(op, my_lid, my_qpn, dst_qpn, rkey, remote_addr);
+        let result = self.access_locked(op, spans, my_lid, my_qpn, dst_qpn, rkey, remote_addr);
         qp.lock.store(0, Ordering::Release);
         let counter = match (&result, op) {
-            (Ok(()), DirectOp::Write(_)) => &COUNTERS.writes,
-            (Ok(()), DirectOp::Read(_)) => &COUNTERS.reads,
-            (Ok(()), DirectOp::Atomic(..)) => &COUNTERS.atomics,
+            (Ok(()), DirectAccess::Write) => &COUNTERS.writes,
+            (Ok(()), DirectAccess::Read) => &COUNTERS.reads,
+            (Ok(()), DirectAccess::Atomic(_)) => &COUNTERS.atomics,
             (Err(_), _) => &COUNTERS.fallbacks,
         };
         let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
@@ -440,9 +440,11 @@ impl PeerMemory {
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn access_locked(
         &self,
-        op: DirectOp<'_>,
+        op: DirectAccess,
+        spans: &[AppSpan],
         my_lid: u16,
         my_qpn: u32,
         dst_qpn: u32,
@@ -463,7 +465,7 @@ impl PeerMemory {
         }
         let mr = self.table.mr(rkey as usize % MR_SLOTS);
         let mr_seq = mr.seq.load(Ordering::SeqCst);
-        let len = op.remote_len();
+        let len = op.remote_len(spans);
         let iova = mr.iova.load(Ordering::Relaxed);
         let mr_len = mr.len.load(Ordering::Relaxed);
         let inside = remote_addr >= iova
@@ -488,10 +490,10 @@ impl PeerMemory {
             .ok_or(Refused::NotPublished)?;
         let backing = self.backing(fd, ino)?;
         let done = match op {
-            DirectOp::Write(spans) => backing.write(offset, spans),
-            DirectOp::Read(spans) => backing.read(offset, spans),
-            DirectOp::Atomic(atomic, result) => backing.atomic(offset, atomic).map(|old| {
-                crate::ucp::scatter(result, &old.to_le_bytes());
+            DirectAccess::Write => backing.write(offset, spans),
+            DirectAccess::Read => backing.read(offset, spans),
+            DirectAccess::Atomic(atomic) => backing.atomic(offset, atomic).map(|old| {
+                crate::ucp::scatter(spans, &old.to_le_bytes());
             }),
         };
         done.map_err(|e| {

@@ -31,6 +31,8 @@ pub const ACCESS_LOCAL_WRITE: u32 = 1;
 pub const ACCESS_REMOTE_WRITE: u32 = 1 << 1;
 pub const ACCESS_REMOTE_READ: u32 = 1 << 2;
 pub const ACCESS_REMOTE_ATOMIC: u32 = 1 << 3;
+/// Every access a peer may be granted (through a region or a memory window).
+pub const ACCESS_REMOTE: u32 = ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC;
 pub const ACCESS_MW_BIND: u32 = 1 << 4;
 pub const ACCESS_ZERO_BASED: u32 = 1 << 5;
 pub const ACCESS_ON_DEMAND: u32 = 1 << 6;
@@ -178,12 +180,17 @@ fn check_host_registration(region: &AppRegion, iova: u64, access: u32) -> Result
 /// against the mappings), and the rkey naming it; None when the path is off or full, or the
 /// region is empty (a zero-length device-memory MR has nothing to publish).
 fn direct_slot(access: u32, region: &AppRegion) -> Option<(u16, u32)> {
-    let remote = access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0;
-    if !remote || region.is_on_demand() || region.is_empty() {
+    if !direct_publishable(access, region) || region.is_empty() {
         return None;
     }
     let slot = Engine::local_memory()?.allocate_region_slot()?;
     Some((slot, unused_key(&BY_RKEY, Some(slot))))
+}
+
+/// Whether a registration with `access` over `region` is for the direct path's peers: it
+/// grants remote access, to pinned memory.
+fn direct_publishable(access: u32, region: &AppRegion) -> bool {
+    access & ACCESS_REMOTE != 0 && !region.is_on_demand()
 }
 
 impl Registration {
@@ -198,10 +205,8 @@ impl Registration {
         dm: Option<Arc<DeviceMemory>>,
         (lkey, rkey, slot): (u32, u32, Option<u16>),
     ) -> Arc<Registration> {
-        let remote =
-            access & (ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0;
         let published = match (Engine::local_memory(), slot) {
-            (Some(m), Some(s)) if remote && !region.is_on_demand() => m.publish_region(
+            (Some(m), Some(s)) if direct_publishable(access, &region) => m.publish_region(
                 s,
                 &RegionView {
                     rkey,

@@ -30,8 +30,8 @@
 
 use super::VerbsError;
 use super::mr::{
-    ACCESS_LOCAL_WRITE, ACCESS_MW_BIND, ACCESS_REMOTE_ATOMIC, ACCESS_REMOTE_READ,
-    ACCESS_REMOTE_WRITE, ACCESS_ZERO_BASED, MemoryRegion, Registration, rkey_prefix_in_use,
+    ACCESS_LOCAL_WRITE, ACCESS_MW_BIND, ACCESS_REMOTE, ACCESS_REMOTE_ATOMIC, ACCESS_REMOTE_WRITE,
+    ACCESS_ZERO_BASED, MemoryRegion, Registration, rkey_prefix_in_use,
 };
 use super::pd::ProtectionDomain;
 use crate::ucp::AppSpan;
@@ -57,7 +57,7 @@ impl WindowType {
 }
 
 /// The access flags a window may grant.
-const WINDOW_ACCESS: u32 = ACCESS_REMOTE_READ | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC;
+const WINDOW_ACCESS: u32 = ACCESS_REMOTE;
 
 /// Most windows a process holds (`max_mw`).
 pub const MAX_WINDOWS: i32 = 1 << 16;
@@ -358,6 +358,7 @@ pub fn remote_span(
 mod tests {
     use super::*;
     use crate::fake_verbs::context::DeviceContext;
+    use crate::fake_verbs::mr::ACCESS_REMOTE_READ;
     use crate::ucp::AppRegion;
 
     const ODP: u32 = super::super::mr::ACCESS_ON_DEMAND;

@@ -70,7 +70,8 @@ impl Rdma {
 
 /// Makes the application's libc treat the process as multi-threaded before UCX, loaded in a
 /// namespace of its own, starts threads through *its* libc (its async thread, at worker
-/// creation), which the application's libc never hears of.
+/// creation), which the application's libc never hears of. Called first thing in every
+/// [`super::Context::new`] (which loads UCX the first time).
 ///
 /// Why it matters: glibc's `malloc` skips its locks while `__libc_single_threaded` is set, and
 /// each libc copy keeps its own flag, cleared only by its own `pthread_create`. The dynamic
@@ -82,7 +83,8 @@ impl Rdma {
 /// next->prev_size", "corrupted double-linked list"), seen at engine start under load.
 ///
 /// A thread started and joined through the application's libc clears the flag for good (it is
-/// set again only in the child of a `fork`, hence the call before every context too).
+/// set again only in the child of a `fork`, hence the call before every context). Where UCX
+/// shares the application's namespace the thread is not needed, and costs as little.
 pub(crate) fn mark_process_multithreaded() {
     match std::thread::Builder::new()
         .name("ugdr-start".into())
@@ -97,7 +99,6 @@ pub(crate) fn mark_process_multithreaded() {
 
 /// Loads libucp into a new link-map namespace; Err(reason) when the loader refuses.
 fn load_in_own_namespace() -> Result<(sys::UcxLibrary, usize, i64), String> {
-    mark_process_multithreaded();
     // SAFETY: loading libucp runs its constructors (libucs's ucs_init) in the new namespace,
     // which is what any UCX user does; the library is kept loaded for the life of the process.
     let handle = unsafe {

@@ -25,10 +25,8 @@ unsafe impl Sync for Context {}
 
 impl Context {
     pub fn new() -> Result<Arc<Context>, Error> {
+        super::library::mark_process_multithreaded();
         let ucx = Ucx::get()?;
-        if matches!(ucx.namespace(), super::library::Namespace::Own(_)) {
-            super::library::mark_process_multithreaded();
-        }
         let mut config: *mut sys::ucp_config_t = ptr::null_mut();
         // SAFETY: NULL env prefix and file name mean "UCX_ variables"; `config` is an out-param.
         Error::check(unsafe {

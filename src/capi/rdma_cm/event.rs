@@ -19,11 +19,10 @@ use std::ptr;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-/// `rdma_event_channel` plus the channel behind it.
+/// `rdma_event_channel` (the channel behind it is the registry's, [`CHANNELS`]).
 #[repr(C)]
 pub(super) struct ChannelShell {
     raw: UnsafeCell<rdma_event_channel>,
-    pub(super) inner: Arc<EventChannel>,
 }
 
 /// `rdma_cm_event` plus the private data it points to.
@@ -94,7 +93,6 @@ pub(super) fn channel_shell(channel: &Arc<EventChannel>) -> *mut rdma_event_chan
     }
     let shell = Box::into_raw(Box::new(ChannelShell {
         raw: UnsafeCell::new(rdma_event_channel { fd: channel.fd() }),
-        inner: Arc::clone(channel),
     }));
     CHANNELS.insert(shell as usize, Arc::clone(channel));
     channel.set_shell(shell as usize);
@@ -102,7 +100,7 @@ pub(super) fn channel_shell(channel: &Arc<EventChannel>) -> *mut rdma_event_chan
 }
 
 pub(super) fn free_channel_shell(ch: *mut rdma_event_channel) {
-    if CHANNELS.remove(&(ch as usize)).is_some() {
+    if let Some((_, channel)) = CHANNELS.remove(&(ch as usize)) {
         let mut retired = RETIRED_CHANNELS.lock().unwrap_or_else(|p| p.into_inner());
         retired.push_back(ch as usize);
         if retired.len() > 64 {
@@ -110,13 +108,13 @@ pub(super) fn free_channel_shell(ch: *mut rdma_event_channel) {
         }
         drop(retired);
         // SAFETY: registered, so a live ChannelShell from Box::into_raw; unregistered above.
-        let shell = unsafe { Box::from_raw(ch as *mut ChannelShell) };
-        shell.inner.set_shell(0);
-        if shell.inner.has_waiters() {
+        drop(unsafe { Box::from_raw(ch as *mut ChannelShell) });
+        channel.set_shell(0);
+        if channel.has_waiters() {
             // Another thread is blocked reading this channel. With the kernel's CM it stays
             // blocked (its read holds the file open); closing our socket pair would wake it
             // with an error instead, so its two fds stay open.
-            std::mem::forget(Arc::clone(&shell.inner));
+            std::mem::forget(channel);
         }
     }
 }

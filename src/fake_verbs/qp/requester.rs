@@ -10,7 +10,7 @@ use super::super::work::{SendOpcode, SendRequest, WcStatus, WorkCompletion};
 use super::super::{VerbsError, device};
 use super::queues::{DataMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
-use crate::engine::direct::{AtomicOp, DirectOp};
+use crate::engine::direct::{AtomicOp, DirectAccess};
 use crate::engine::wire::{self, Header, Op};
 use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState};
 use smallvec::SmallVec;
@@ -573,15 +573,17 @@ impl QueuePair {
         keys: &mut KeyCache,
     ) -> Option<Option<DataMessage>> {
         let kind = match (op, req.opcode) {
-            (Op::Write, SendOpcode::RdmaWrite) => Direct::Write,
-            (Op::ReadRequest, _) => Direct::Read,
+            (Op::Write, SendOpcode::RdmaWrite) => DirectAccess::Write,
+            (Op::ReadRequest, _) => DirectAccess::Read,
             (Op::Atomic, SendOpcode::AtomicFetchAndAdd) => {
-                Direct::Atomic(AtomicOp::FetchAdd(req.compare_add))
+                DirectAccess::Atomic(AtomicOp::FetchAdd(req.compare_add))
             }
-            (Op::Atomic, SendOpcode::AtomicCmpAndSwp) => Direct::Atomic(AtomicOp::CompareSwap {
-                compare: req.compare_add,
-                swap: req.swap,
-            }),
+            (Op::Atomic, SendOpcode::AtomicCmpAndSwp) => {
+                DirectAccess::Atomic(AtomicOp::CompareSwap {
+                    compare: req.compare_add,
+                    swap: req.swap,
+                })
+            }
             _ => return None,
         };
         if self.qp_type != QpType::Rc || length == 0 {
@@ -593,19 +595,15 @@ impl QueuePair {
         if q.sq.iter().any(|e| e.outcome.is_none()) {
             return None;
         }
-        let lands_here = kind != Direct::Write;
+        let lands_here = kind != DirectAccess::Write;
         let spans = match &req.inline_data {
             Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
             None => local_spans_cached(&self.pd, &req.sges, lands_here, keys)?,
         };
-        let direct_op = match kind {
-            Direct::Write => DirectOp::Write(&spans),
-            Direct::Read => DirectOp::Read(&spans),
-            Direct::Atomic(atomic) => DirectOp::Atomic(atomic, &spans),
-        };
         memory
             .access(
-                direct_op,
+                kind,
+                &spans,
                 self.local_lid,
                 self.qp_num,
                 peer.qpn,
@@ -629,12 +627,4 @@ impl QueuePair {
         self.release_send_completions(q);
         Some(None)
     }
-}
-
-/// The requests the direct path carries (`try_direct`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Direct {
-    Write,
-    Read,
-    Atomic(AtomicOp),
 }

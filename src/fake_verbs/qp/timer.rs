@@ -17,6 +17,7 @@
 
 use super::QueuePair;
 use super::queues::{Deferred, Queues};
+use crate::engine::wire::psn_before;
 use crate::fake_verbs::qp_state::QpState;
 use crate::fake_verbs::work::WcStatus;
 use crate::ucp::LockedWorker;
@@ -82,7 +83,7 @@ impl Timer {
     pub(super) fn resend_after_rnr(&mut self, psn: u32, delay: Duration) {
         let at = Instant::now() + delay;
         self.rnr_resend = Some(match self.rnr_resend {
-            Some((t, p)) if crate::engine::wire::psn_before(p, psn) => (t, p),
+            Some((t, p)) if psn_before(p, psn) => (t, p),
             _ => (at, psn),
         });
     }
@@ -196,9 +197,7 @@ impl QueuePair {
         let Some(peer) = &q.peer else { return };
         let mut sent = 0u32;
         for e in q.sq.iter().filter(|e| {
-            e.unanswered()
-                && e.in_ucx <= 0
-                && from.is_none_or(|p| !crate::engine::wire::psn_before(e.seq, p))
+            e.unanswered() && e.in_ucx <= 0 && from.is_none_or(|p| !psn_before(e.seq, p))
         }) {
             let Some((header, payload)) = e.resend.clone() else {
                 continue;
