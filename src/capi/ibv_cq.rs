@@ -36,9 +36,9 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut 
                 };
                 let raw = ChannelShell::into_raw(Box::new(ChannelShell {
                     ibv: UnsafeCell::new(ibv),
-                    inner: ch,
+                    inner: Arc::clone(&ch),
                 }));
-                CHANNELS.insert(raw as usize);
+                CHANNELS.insert(raw as usize, ch);
                 raw
             }
             Err(e) => <*mut ibv_comp_channel>::fail(e.errno()),
@@ -46,32 +46,32 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut 
     })
 }
 
-/// # Safety
-/// `ch` is NULL or a valid completion channel.
-unsafe fn our_channel<'a>(ch: *mut ibv_comp_channel) -> Option<&'a ChannelShell> {
-    if ch.is_null() || !CHANNELS.contains(&(ch as usize)) {
-        return None;
-    }
-    // SAFETY: registered in CHANNELS, so a live ChannelShell.
-    unsafe { ChannelShell::from_raw(ch) }
+/// One of ugdr's completion channels: the caller's own reference, good however long it
+/// keeps it (the shell may be destroyed meanwhile).
+fn our_channel(ch: *mut ibv_comp_channel) -> Option<Arc<CompletionChannel>> {
+    CHANNELS.get(&(ch as usize)).map(|c| Arc::clone(c.value()))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
     ffi_boundary!("ibv_destroy_comp_channel", {
-        // SAFETY: checked against the registry first.
-        let Some(shell) = (unsafe { our_channel(ch) }) else {
+        let Some(channel) = our_channel(ch) else {
             return match passthrough::ibv_destroy_comp_channel() {
                 // SAFETY: not ours, so the real library's channel.
                 Some(real) if !ch.is_null() => unsafe { real(ch) },
                 _ => c_int::fail(libc::EINVAL),
             };
         };
-        if let Err(e) = shell.inner.check_destroyable() {
-            return status(Err(e));
+        // Removed only if no CQ uses it, and by one destroy only (a second, racing one
+        // finds nothing and fails as for a destroyed channel).
+        let removed = CHANNELS.remove_if(&(ch as usize), |_, c| c.check_destroyable().is_ok());
+        if removed.is_none() {
+            return status(channel.check_destroyable().and(Err(VerbsError::Invalid(
+                "completion channel destroyed by another thread",
+            ))));
         }
-        CHANNELS.remove(&(ch as usize));
-        // SAFETY: ours; the application gives it up here.
+        // SAFETY: ours and unregistered above, by this call alone; the application gives it
+        // up here.
         unsafe { ChannelShell::destroy(ch) };
         0
     })
@@ -103,9 +103,8 @@ fn create_cq(
     let channel_obj = if channel.is_null() {
         None
     } else {
-        // SAFETY: checked against the registry.
-        match unsafe { our_channel(channel) } {
-            Some(ch) => Some(Arc::clone(&ch.inner)),
+        match our_channel(channel) {
+            Some(ch) => Some(ch),
             None => return Err(VerbsError::Invalid("completion channel is not ugdr's")),
         }
     };
@@ -323,12 +322,13 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
     cq_out: *mut *mut ibv_cq,
     cq_context_out: *mut *mut c_void,
 ) -> c_int {
+    // Looked up once: a wait goes on on the channel found, even if its shell is destroyed.
+    let mut found: Option<Option<Arc<CompletionChannel>>> = None;
     blocking(
         "ibv_get_cq_event",
         || -1,
         |ready| {
-            // SAFETY: checked against the registry first.
-            let Some(shell) = (unsafe { our_channel(ch) }) else {
+            let Some(channel) = found.get_or_insert_with(|| our_channel(ch)).clone() else {
                 return match passthrough::ibv_get_cq_event() {
                     Some(real) if !ch.is_null() => Attempt::Outside(Box::new(move || {
                         // SAFETY: not ours, so the real library's channel.
@@ -348,7 +348,7 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
             if let (true, Some(engine)) = (ready[1], engine) {
                 engine.progress_for_waiter();
             }
-            let events = &shell.inner.events;
+            let events = &channel.events;
             match events.try_wait() {
                 Ok(Some(handle)) => {
                     let cq = handle as *mut ibv_cq_ex;

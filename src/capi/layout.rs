@@ -120,6 +120,7 @@ macro_rules! shell {
 
             /// # Safety
             /// `raw` is NULL or was returned by `into_raw` and not yet destroyed.
+            #[allow(dead_code)]
             pub unsafe fn from_raw<'a>(raw: *const $c) -> Option<&'a $name> {
                 // SAFETY: same address as the shell (first field of a #[repr(C)] struct).
                 unsafe { (raw as *const $name).as_ref() }
@@ -199,9 +200,11 @@ pub(crate) struct WrBatch {
     pub error: Option<std::os::raw::c_int>,
 }
 
-/// The channels ugdr created (the ownership test for `ibv_get_cq_event` pass-through).
-pub(crate) static CHANNELS: LazyLock<DashSet<usize, FxBuildHasher>> =
-    LazyLock::new(DashSet::default);
+/// The completion channels ugdr created, by the address of their shell, with the channel
+/// each stands for: a lookup hands out its own reference, so a thread that found a channel
+/// keeps using it while another destroys the shell (and only one destroy can remove it).
+pub(crate) static CHANNELS: LazyLock<DashMap<usize, Arc<CompletionChannel>, FxBuildHasher>> =
+    LazyLock::new(DashMap::default);
 
 /// `obj->context` of an rdma-core object, if that context is ugdr's.
 ///
