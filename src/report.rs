@@ -47,12 +47,12 @@ pub fn describe(engine: &Engine) -> String {
             .to_string()
     } else {
         match (&engine.memory, crate::engine::direct::self_check()) {
-            (Some(_), Ok(())) => {
+            (Some(_), Ok(())) => format!(
                 "on: RDMA WRITE/READ and atomics to same-host peers of this user are \
                  done by the requester (peers must be dumpable or the requester must have \
-                 CAP_SYS_PTRACE; otherwise messages)"
-                    .to_string()
-            }
+                 CAP_SYS_PTRACE; otherwise messages); {}",
+                crate::engine::direct::part_pages_note()
+            ),
             (None, _) => {
                 "unavailable (no memfd): RDMA WRITE/READ/atomics go through messages".into()
             }

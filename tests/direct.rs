@@ -41,7 +41,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 12] = [
+    let cases: [(&str, fn()); 14] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
@@ -50,8 +50,16 @@ fn main() {
             "shared_file_memory_is_direct_too_while_the_target_is_stopped",
             shared_memfd_while_stopped,
         ),
+        (
+            "part_pages_are_reached_through_the_kernel_while_the_target_is_stopped",
+            part_pages_while_stopped,
+        ),
         ("refused_accesses_go_to_the_responder_and_fail", refusals),
         ("nothing_lands_after_deregistration_returns", dereg_race),
+        (
+            "nothing_lands_in_part_pages_after_deregistration_returns",
+            part_pages_dereg_race,
+        ),
         (
             "memory_registered_again_after_deregistration_is_direct_again",
             reregistered,
@@ -111,11 +119,32 @@ fn shared_memfd_while_stopped() {
         Requester::Privileged,
     );
 }
+/// The target's region starts and ends inside a page: its whole pages move onto a memfd as
+/// usual, and accesses reaching into the pages it shares with other memory are copied by the
+/// kernel straight into the target's address space (`process_vm_writev`/`readv`), still
+/// while it is stopped, landing nowhere outside the region (atomics on the whole pages stay
+/// CPU atomics on the shared pages).
+fn part_pages_while_stopped() {
+    run(
+        "while_stopped",
+        &[("UGDR_TEST_PART_PAGES", "1")],
+        Requester::Privileged,
+    );
+}
 fn refusals() {
     run("refusals", &[], Requester::Privileged);
 }
 fn dereg_race() {
     run("dereg_race", &[], Requester::Privileged);
+}
+/// As `dereg_race`, the WRITEs landing in a page the region shares with other memory (by
+/// cross-memory attach).
+fn part_pages_dereg_race() {
+    run(
+        "dereg_race",
+        &[("UGDR_TEST_PART_PAGES", "1")],
+        Requester::Privileged,
+    );
 }
 fn rereg() {
     run("rereg", &[], Requester::Privileged);
@@ -378,7 +407,11 @@ impl Region {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
     fn reg(&self, dev: &Device, access: c_int) -> *mut ibv_mr {
-        let mr = unsafe { ibv_reg_mr(dev.pd, self.ptr.cast(), self.len, access) };
+        self.reg_part(dev, 0, self.len, access)
+    }
+    fn reg_part(&self, dev: &Device, offset: usize, len: usize, access: c_int) -> *mut ibv_mr {
+        assert!(offset + len <= self.len);
+        let mr = unsafe { ibv_reg_mr(dev.pd, self.ptr.add(offset).cast(), len, access) };
         assert!(!mr.is_null(), "ibv_reg_mr: errno {}", errno());
         mr
     }
@@ -425,10 +458,14 @@ fn target_role() {
     };
     let ro = Region::new(RO_LEN);
     let recv = Region::new(PAGE);
-    let mut rw_mr = rw.reg(
-        &dev,
-        LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC,
-    );
+    let rw_access = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
+    let mut rw_mr = if std::env::var_os("UGDR_TEST_PART_PAGES").is_some() {
+        // From byte 8 to 8 bytes before the end: the first and last pages are only partly
+        // registered.
+        rw.reg_part(&dev, 8, RW_LEN - 16, rw_access)
+    } else {
+        rw.reg(&dev, rw_access)
+    };
     let ro_mr = ro.reg(&dev, LOCAL_WRITE | REMOTE_READ);
     let recv_mr = recv.reg(&dev, LOCAL_WRITE);
     let mut qp = dev.rc_qp(cq, cq, 64);
@@ -924,7 +961,9 @@ fn scenario_dereg_race(relay: &mut Relay, link: &mut Link, command: &str) {
     let qp = link.qp as usize;
     let cq = link.cq as usize;
     let (sge_addr, lkey) = (link.local.addr(), unsafe { (*link.local_mr).lkey });
-    let (addr, rkey) = (link.rw_addr + PAGE as u64, link.rw_rkey);
+    // 8 bytes into the region's first page (of the part the region holds, in the variant
+    // whose region starts inside that page).
+    let (addr, rkey) = (link.rw_addr + 8, link.rw_rkey);
     let local = link.local.ptr as usize;
     let writer = std::thread::spawn(move || {
         let (qp, cq) = (qp as *mut ibv_qp, cq as *mut ibv_cq);

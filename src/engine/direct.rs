@@ -1,7 +1,9 @@
 //! The same-host one-sided path: an RDMA WRITE or READ to a peer process on this host is a
-//! `memcpy` by the requester into (or out of) the peer's registered pages, mapped here, and a
-//! fetch-and-add or compare-and-swap one CPU atomic on them, with no message and nothing
-//! asked of the peer's CPU (docs/design.md).
+//! `memcpy` by the requester into (or out of) the peer's registered pages, mapped here (or,
+//! for registered memory on pages shared with other data, a copy by the kernel straight into
+//! the peer's address space, `process_vm_writev`/`readv`), and a fetch-and-add or
+//! compare-and-swap one CPU atomic on the mapped pages, with no message and nothing asked of
+//! the peer's CPU (docs/design.md).
 //!
 //! Each process publishes, in its [`Table`], the memory regions peers may reach (rkey, PD,
 //! access, range, the memfd holding the pages) and the queue pairs they may reach them through
@@ -19,7 +21,9 @@
 
 use super::Engine;
 pub use crate::shared_memory::AtomicOp;
-use crate::shared_memory::{Backing, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, Table};
+use crate::shared_memory::{
+    Backing, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, Table, read_process, write_process,
+};
 use crate::ucp::AppSpan;
 use rustc_hash::FxBuildHasher;
 use std::collections::HashMap;
@@ -52,6 +56,25 @@ pub fn self_check() -> std::io::Result<()> {
             Err(std::io::Error::from_raw_os_error(libc::ESRCH))
         }
     })
+}
+
+/// How registered memory that shares a page with other data is reached (`ugdr info`): by
+/// cross-memory attach, which Yama's `ptrace_scope` may restrict beyond the checks that
+/// mapping a peer's pages passes.
+pub fn part_pages_note() -> String {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok());
+    match scope {
+        None | Some(0) => "memory sharing a page with other data is copied by the kernel \
+                           (process_vm_writev/readv)"
+            .to_string(),
+        Some(n) => format!(
+            "memory sharing a page with other data goes through messages unless the \
+             requester has CAP_SYS_PTRACE (kernel.yama.ptrace_scope = {n} forbids \
+             process_vm_writev/readv to peers)"
+        ),
+    }
 }
 
 /// How often the direct path was taken, and how often it fell back to messages.
@@ -116,10 +139,11 @@ struct SlotAllocator {
     free: Vec<u16>,
 }
 
-/// A memory region as published: the slot it holds, and the pages it keeps shared.
+/// A memory region as published: the slot it holds, and the pages it keeps shared (none
+/// where peers reach it through this process's address space).
 pub struct PublishedRegion {
     slot: usize,
-    _backing: Arc<Backing>,
+    _backing: Option<Arc<Backing>>,
 }
 
 /// What a region publishes.
@@ -197,11 +221,16 @@ impl LocalMemory {
         }
     }
 
-    /// Publishes a region in `slot` (from [`allocate_region_slot`]) when its memory can be
-    /// shared; None leaves it to the message path.
+    /// Publishes a region in `slot` (from [`allocate_region_slot`]). Its whole pages are moved
+    /// onto a backing peers map where the memory allows; peers reach the rest (or all of it)
+    /// through this process's address space (cross-memory attach).
     pub fn publish_region(&self, slot: u16, view: &RegionView) -> Option<PublishedRegion> {
-        let backing = self.backing_for(view.addr, view.len)?;
-        let (start, len) = backing.pages_of(view.addr, view.len)?;
+        view.addr.checked_add(view.len)?;
+        view.iova.checked_add(view.len)?;
+        let backing = self.backing_for(view.addr, view.len);
+        let pages = backing
+            .as_ref()
+            .and_then(|b| Some((b, b.pages_of(view.addr, view.len)?)));
         let s = self.table.mr(usize::from(slot));
         let seq = s.seq.load(Ordering::Relaxed);
         let seq = if seq.is_multiple_of(2) { seq + 1 } else { seq };
@@ -209,21 +238,35 @@ impl LocalMemory {
         s.rkey.store(view.rkey, Ordering::Relaxed);
         s.pd.store(view.pd, Ordering::Relaxed);
         s.access.store(view.access, Ordering::Relaxed);
-        s.backing_fd.store(backing.fd(), Ordering::Relaxed);
-        s.backing_ino.store(backing.ino(), Ordering::Relaxed);
-        s.iova
-            .store(view.iova + (start - view.addr), Ordering::Relaxed);
-        s.len.store(len, Ordering::Relaxed);
-        s.backing_offset
-            .store(backing.offset_of(start), Ordering::Relaxed);
+        match pages {
+            Some((backing, (start, len))) => {
+                s.backing_fd.store(backing.fd(), Ordering::Relaxed);
+                s.backing_ino.store(backing.ino(), Ordering::Relaxed);
+                s.pages_iova
+                    .store(view.iova + (start - view.addr), Ordering::Relaxed);
+                s.pages_len.store(len, Ordering::Relaxed);
+                s.backing_offset
+                    .store(backing.offset_of(start), Ordering::Relaxed);
+            }
+            None => {
+                s.backing_fd.store(-1, Ordering::Relaxed);
+                s.backing_ino.store(0, Ordering::Relaxed);
+                s.pages_iova.store(0, Ordering::Relaxed);
+                s.pages_len.store(0, Ordering::Relaxed);
+                s.backing_offset.store(0, Ordering::Relaxed);
+            }
+        }
+        s.region_iova.store(view.iova, Ordering::Relaxed);
+        s.region_len.store(view.len, Ordering::Relaxed);
+        s.region_addr.store(view.addr, Ordering::Relaxed);
         s.seq.store(seq + 1, Ordering::Release);
         self.published
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(usize::from(slot), (start, start + len));
+            .insert(usize::from(slot), (view.addr, view.addr + view.len));
         Some(PublishedRegion {
             slot: usize::from(slot),
-            _backing: backing,
+            _backing: pages.map(|(b, _)| Arc::clone(b)),
         })
     }
 
@@ -373,6 +416,8 @@ pub struct PeerMemory {
     table: PeerTable,
     backings: Mutex<HashMap<(i32, u64), Arc<PeerBacking>, FxBuildHasher>>,
     failed_once: AtomicBool,
+    /// The kernel refused cross-memory attach to this peer.
+    attach_denied: AtomicBool,
 }
 
 impl PeerMemory {
@@ -393,6 +438,7 @@ impl PeerMemory {
             table,
             backings: Mutex::new(HashMap::default()),
             failed_once: AtomicBool::new(false),
+            attach_denied: AtomicBool::new(false),
         })
     }
 
@@ -466,27 +512,28 @@ impl PeerMemory {
         let mr = self.table.mr(rkey as usize % MR_SLOTS);
         let mr_seq = mr.seq.load(Ordering::SeqCst);
         let len = op.remote_len(spans);
-        let iova = mr.iova.load(Ordering::Relaxed);
-        let mr_len = mr.len.load(Ordering::Relaxed);
-        let inside = remote_addr >= iova
-            && remote_addr
-                .checked_add(len)
-                .is_some_and(|end| end <= iova.saturating_add(mr_len));
+        let end = remote_addr.checked_add(len).ok_or(Refused::NotPublished)?;
+        let within = |first: u64, n: u64| remote_addr >= first && end <= first.saturating_add(n);
+        let region_iova = mr.region_iova.load(Ordering::Relaxed);
         if mr_seq % 2 == 1
             || mr.rkey.load(Ordering::Relaxed) != rkey
             || mr.pd.load(Ordering::Relaxed) != pd
             || mr.access.load(Ordering::Relaxed) & needed != needed
-            || !inside
+            || !within(region_iova, mr.region_len.load(Ordering::Relaxed))
         {
             return Err(Refused::NotPublished);
         }
+        let pages_iova = mr.pages_iova.load(Ordering::Relaxed);
         let fd = mr.backing_fd.load(Ordering::Relaxed);
+        if fd < 0 || !within(pages_iova, mr.pages_len.load(Ordering::Relaxed)) {
+            return self.access_process(op, spans, mr, remote_addr - region_iova);
+        }
         let ino = mr.backing_ino.load(Ordering::Relaxed);
         // The peer's table is the peer's word: an offset past u64 is refused, not wrapped.
         let offset = mr
             .backing_offset
             .load(Ordering::Relaxed)
-            .checked_add(remote_addr - iova)
+            .checked_add(remote_addr - pages_iova)
             .ok_or(Refused::NotPublished)?;
         let backing = self.backing(fd, ino)?;
         let done = match op {
@@ -498,6 +545,41 @@ impl PeerMemory {
         };
         done.map_err(|e| {
             tracing::debug!("direct access to pid {}: {e}", self.pid);
+            Refused::Unreachable
+        })
+    }
+
+    /// A WRITE or READ at `offset` in a region no backing holds there: copied straight
+    /// between the two address spaces by the kernel (cross-memory attach). Atomics cannot be
+    /// (a copy is not indivisible): they take the message path.
+    fn access_process(
+        &self,
+        op: DirectAccess,
+        spans: &[AppSpan],
+        mr: &crate::shared_memory::MrSlot,
+        offset: u64,
+    ) -> Result<(), Refused> {
+        if self.attach_denied.load(Ordering::Relaxed) {
+            return Err(Refused::Unreachable);
+        }
+        let addr = mr
+            .region_addr
+            .load(Ordering::Relaxed)
+            .checked_add(offset)
+            .ok_or(Refused::NotPublished)?;
+        let done = match op {
+            DirectAccess::Write => write_process(self.pid, addr, spans),
+            DirectAccess::Read => read_process(self.pid, addr, spans),
+            DirectAccess::Atomic(_) => return Err(Refused::NotPublished),
+        };
+        done.map_err(|e| {
+            if e.raw_os_error() == Some(libc::EPERM) {
+                // Not allowed to attach (Yama's ptrace_scope, say): it stays so.
+                self.attach_denied.store(true, Ordering::Relaxed);
+                tracing::debug!("cannot attach to pid {}: {e}", self.pid);
+            } else {
+                tracing::debug!("direct access to pid {}: {e}", self.pid);
+            }
             Refused::Unreachable
         })
     }

@@ -11,6 +11,10 @@
 //! * [`PeerTable`], [`PeerBacking`]: a peer's table and backings, mapped into this process
 //!   through `/proc/<pid>/fd/<n>` (which the kernel allows exactly when this process may
 //!   ptrace-read the peer: same user, peer dumpable, or CAP_SYS_PTRACE).
+//! * [`write_process`], [`read_process`]: cross-memory attach (`process_vm_writev`/`readv`)
+//!   into a peer's own address space, for registered memory no backing holds (part of a page,
+//!   a private file mapping); the kernel allows it when this process may ptrace-attach the
+//!   peer (as above, and Yama's `ptrace_scope` may forbid it).
 //!
 //! This is one of the FFI edges: `unsafe` here is limited to mapping, unmapping and copying,
 //! each with its `SAFETY:` line; everything above it is safe Rust.
@@ -116,6 +120,72 @@ fn open_peer_fd(pid: i32, fd: i32) -> io::Result<OwnedFd> {
         .write(true)
         .open(format!("/proc/{pid}/fd/{fd}"))?;
     Ok(OwnedFd::from(file))
+}
+
+/// Copies the bytes of `spans`, in order, to `addr` in process `pid`'s address space
+/// (`process_vm_writev`): all of them, or an error (EFAULT when part of the range is not
+/// mapped writable there; EPERM when this process may not attach to `pid`).
+pub fn write_process(pid: i32, addr: u64, spans: &[crate::ucp::AppSpan]) -> io::Result<()> {
+    cross_memory(pid, addr, spans, true)
+}
+
+/// Copies bytes at `addr` in process `pid`'s address space into `spans`, in order
+/// (`process_vm_readv`): all of them, or an error, as [`write_process`].
+pub fn read_process(pid: i32, addr: u64, spans: &[crate::ucp::AppSpan]) -> io::Result<()> {
+    cross_memory(pid, addr, spans, false)
+}
+
+fn cross_memory(pid: i32, addr: u64, spans: &[crate::ucp::AppSpan], write: bool) -> io::Result<()> {
+    let total: usize = spans.iter().map(crate::ucp::AppSpan::len).sum();
+    if total == 0 {
+        return Ok(());
+    }
+    if spans.len() > 1024 || addr.checked_add(total as u64).is_none() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let local: Vec<libc::iovec> = spans
+        .iter()
+        .map(|s| libc::iovec {
+            iov_base: s.addr() as *mut libc::c_void,
+            iov_len: s.len(),
+        })
+        .collect();
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: total,
+    };
+    // SAFETY: `local` describes checked spans of registered (or ugdr-owned) memory, valid for
+    // reads, and for writes when this reads the peer (AppSpan's contract: a READ's spans have
+    // local write access); `remote` lies in the other process, which the kernel checks (it
+    // writes nothing there that is not mapped writable, and copies nothing into this process
+    // beyond `local`).
+    let n = unsafe {
+        if write {
+            libc::process_vm_writev(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                &remote,
+                1,
+                0,
+            )
+        } else {
+            libc::process_vm_readv(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                &remote,
+                1,
+                0,
+            )
+        }
+    };
+    match n {
+        n if n < 0 => Err(io::Error::last_os_error()),
+        n if n as usize == total => Ok(()),
+        // Part of the range is not mapped there (any more).
+        _ => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+    }
 }
 
 /// The page size of this host.

@@ -8,8 +8,9 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 
-/// "ugdrMEM1" (version 1 of this layout).
-const MAGIC: u64 = 0x3149_4d45_4d52_4447;
+/// "ugdrMEM2" (version 2 of this layout: regions reachable through the owner's address
+/// space too).
+const MAGIC: u64 = 0x3249_4d45_4d52_4447;
 /// The memfd name peers look for in `/proc/<pid>/fd`.
 const NAME: &str = "ugdr-table";
 
@@ -32,14 +33,20 @@ pub struct MrSlot {
     pub rkey: AtomicU32,
     pub pd: AtomicU32,
     pub access: AtomicU32,
-    /// The owner's descriptor of the memfd holding the region's pages.
+    /// The owner's descriptor of the memfd holding the whole pages of the region (-1: none).
     pub backing_fd: AtomicI32,
     pub backing_ino: AtomicU64,
-    /// First address of the region in the peer's (iova) space, and its length.
-    pub iova: AtomicU64,
-    pub len: AtomicU64,
-    /// Offset of `iova` in the backing file.
+    /// The part of the region on those pages, in the peer's (iova) space: first address and
+    /// length (0 with no backing).
+    pub pages_iova: AtomicU64,
+    pub pages_len: AtomicU64,
+    /// Offset of `pages_iova` in the backing file.
     pub backing_offset: AtomicU64,
+    /// The whole region in the peer's (iova) space, and the owner's address of its first
+    /// byte (reached with `process_vm_writev`/`readv` where no backing holds it).
+    pub region_iova: AtomicU64,
+    pub region_len: AtomicU64,
+    pub region_addr: AtomicU64,
 }
 
 /// A published queue pair: who may access memory through it.
@@ -190,9 +197,9 @@ mod tests {
 
     #[test]
     fn slots_are_cache_lines_and_the_table_is_page_sized_pieces() {
-        assert_eq!(std::mem::size_of::<MrSlot>(), 64);
+        assert_eq!(std::mem::size_of::<MrSlot>(), 128);
         assert_eq!(std::mem::size_of::<QpSlot>(), 64);
-        assert_eq!(SIZE, 64 + 64 * (MR_SLOTS + QP_SLOTS));
+        assert_eq!(SIZE, 64 + 128 * MR_SLOTS + 64 * QP_SLOTS);
     }
 
     #[test]
