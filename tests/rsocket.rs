@@ -53,20 +53,24 @@ fn rstream_verified_nonblocking_by_default() {
     local("rstream", &[&SIZE[..], &["-T", "v"]].concat());
 }
 
-/// rstream's own default test set: latency and bandwidth runs from 64 B (100,000 transfers)
-/// to 1 MiB, every row reported by both sides.
-#[test]
-fn rstream_default_test_set() {
+/// `program`'s own default test set (rstream's and riostream's are the same rows) with
+/// `args`: latency and bandwidth runs from 64 B (100,000 transfers) to 1 MiB, every row
+/// reported by the client.
+fn default_test_set(program: &str, args: &[&str]) {
     let port = free_port();
     let p = port.to_string();
+    let mut s = vec!["-p", p.as_str()];
+    s.extend_from_slice(args);
+    let mut c = vec!["-s", "127.0.0.1"];
+    c.extend_from_slice(&s);
     let (so, co) = run_pingpong(
-        preloaded("rstream", &["-p", &p]),
-        preloaded("rstream", &["-s", "127.0.0.1", "-p", &p]),
+        preloaded(program, &s),
+        preloaded(program, &c),
         port,
         Duration::from_secs(120),
     );
-    assert_success(&so, "rstream server");
-    assert_success(&co, "rstream client");
+    assert_success(&so, &format!("{program} server {args:?}"));
+    assert_success(&co, &format!("{program} client {args:?}"));
     let out = stdout(&co);
     for (name, size, xfers, iters) in [
         ("64_lat", "64", "1", "100k"),
@@ -81,9 +85,34 @@ fn rstream_default_test_set() {
         assert!(
             out.lines()
                 .any(|l| l.split_whitespace().take(4).eq([name, size, xfers, iters])),
-            "no {name} row:\n{out}"
+            "{program} {args:?}: no {name} row:\n{out}"
         );
     }
+}
+
+#[test]
+fn rstream_default_test_set() {
+    default_test_set("rstream", &[]);
+}
+
+/// Blocking sockets (`-T b`, MSG_WAITALL): a send that has sent part of its bytes goes on
+/// until the peer's credits let it send the rest. It once decided what to wait on after
+/// credits had come in and, seeing room, waited for nothing (no completion comes for a
+/// credit): both sides blocked for good, in most runs of this set.
+#[test]
+fn rstream_blocking_default_test_set() {
+    default_test_set("rstream", &["-T", "b"]);
+}
+
+/// riostream writes into the peer's `riomap`ped buffer with RDMA WRITEs while the peer
+/// spins on that buffer's last byte, never calling into rsockets: the WRITEs must land
+/// without the peer's CPU. Its 64-byte rows map 64 bytes of a page: reached through the
+/// kernel (cross-memory attach) since the same-host path covers part pages; before, each
+/// went as a message the spinning target's progress thread had to be scheduled for, about
+/// 5 ms apiece on 2 cores (the set ran for many minutes).
+#[test]
+fn riostream_default_test_set() {
+    default_test_set("riostream", &[]);
 }
 
 /// librspreload.so (rdma-core's socket-to-rsocket preload) beside ugdr: `rstream -T s` uses

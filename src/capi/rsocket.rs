@@ -310,23 +310,27 @@ unsafe fn recv_into(
     let (ptr, mut done) = (buf as usize, 0usize);
     let rs = Rsocket::Stream(std::sync::Arc::clone(&s));
     run(name, &rs, dontwait, move || {
-        // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
-        let out = unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(done), len - done) };
-        match s.recv(out, peek) {
-            Ok(0) => Ok(done as isize),
-            Ok(n) => {
-                done += n;
-                if waitall && done < len && !dontwait && !s.is_nonblocking() {
-                    // Like a socket: keep waiting for the rest.
-                    return Err(RsError::Wait(s.current_wait()));
+        loop {
+            // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
+            let out =
+                unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(done), len - done) };
+            return match s.recv(out, peek) {
+                Ok(0) => Ok(done as isize),
+                Ok(n) => {
+                    done += n;
+                    if waitall && done < len && !dontwait && !s.is_nonblocking() {
+                        // Like a socket: keep going for the rest; the call that finds
+                        // nothing says what to wait on.
+                        continue;
+                    }
+                    Ok(done as isize)
                 }
-                Ok(done as isize)
-            }
-            Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
-                Err(RsError::Wait(w))
-            }
-            Err(_) if done > 0 => Ok(done as isize),
-            Err(e) => Err(e),
+                Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
+                    Err(RsError::Wait(w))
+                }
+                Err(_) if done > 0 => Ok(done as isize),
+                Err(e) => Err(e),
+            };
         }
     })
 }
@@ -359,22 +363,27 @@ unsafe fn send_from(
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let rs = Rsocket::Stream(std::sync::Arc::clone(&s));
     run(name, &rs, dontwait, move || {
-        // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
-        let data = unsafe { std::slice::from_raw_parts((ptr as *const u8).add(done), len - done) };
-        match s.send(data) {
-            Ok(n) => {
-                done += n;
-                if done < len && !dontwait && !s.is_nonblocking() {
-                    // A blocking socket sends everything before it returns.
-                    return Err(RsError::Wait(s.current_wait()));
+        loop {
+            // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
+            let data =
+                unsafe { std::slice::from_raw_parts((ptr as *const u8).add(done), len - done) };
+            return match s.send(data) {
+                Ok(n) => {
+                    done += n;
+                    if done < len && !dontwait && !s.is_nonblocking() {
+                        // A blocking socket sends everything before it returns. What to
+                        // wait on is for the call that finds no room to say: asked here,
+                        // after credits came in, it was "nothing will wake you".
+                        continue;
+                    }
+                    Ok(done as isize)
                 }
-                Ok(done as isize)
-            }
-            Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
-                Err(RsError::Wait(w))
-            }
-            Err(_) if done > 0 => Ok(done as isize),
-            Err(e) => Err(e),
+                Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
+                    Err(RsError::Wait(w))
+                }
+                Err(_) if done > 0 => Ok(done as isize),
+                Err(e) => Err(e),
+            };
         }
     })
 }

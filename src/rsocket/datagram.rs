@@ -313,12 +313,6 @@ impl Datagram {
         Wait::on(&[self.fd, port.wait_fd()], timeout)
     }
 
-    /// What a call that must go on waiting waits on.
-    pub fn current_wait(&self) -> Wait {
-        let st = self.state();
-        self.wait(&st)
-    }
-
     /// `rsendto` (`dest`) or `rsend` on a connected socket: one datagram of `data`.
     pub fn send(&self, dest: Option<SocketAddr>, data: &[u8]) -> Result<usize, RsError> {
         if data.len() > MAX_PAYLOAD {

@@ -174,14 +174,18 @@ impl Stream {
         .ok_or(RsError::Os(libc::ENOTCONN))
     }
 
-    /// What to wait on for this socket: its CM events and, once connected, its completions.
-    fn wait(&self, st: &State) -> Wait {
+    /// What to wait on for this socket: its CM events and, once connected, its completions;
+    /// `sending`: the caller waits for room to send, which the peer's credits give too, and
+    /// those arrive by RDMA WRITE, raising no completion: the credit word is looked at
+    /// again every [`CREDIT_POLL_MS`], and a wait decided after credits arrived (since the
+    /// caller found no room) does not wait at all.
+    fn wait(&self, st: &State, sending: bool) -> Wait {
         match &st.conn {
             Some(c) => {
                 let timeout = if c.arm() {
                     0
-                } else if c.waits_for_credits() {
-                    CREDIT_POLL_MS
+                } else if sending && st.phase == Phase::Connected && c.has_free_slot() {
+                    if c.can_send() { 0 } else { CREDIT_POLL_MS }
                 } else {
                     -1
                 };
@@ -191,14 +195,8 @@ impl Stream {
         }
     }
 
-    /// What a call that must go on waiting (a blocking send of the rest) waits on.
-    pub fn current_wait(&self) -> Wait {
-        let st = self.state();
-        self.wait(&st)
-    }
-
     fn would_block(&self, st: &State) -> RsError {
-        RsError::Wait(self.wait(st))
+        RsError::Wait(self.wait(st, false))
     }
 
     /// Takes the CM events and completions that arrived.
@@ -398,7 +396,7 @@ impl Stream {
         if done > 0 {
             Ok(done)
         } else {
-            Err(self.would_block(&st))
+            Err(RsError::Wait(self.wait(&st, true)))
         }
     }
 
@@ -469,7 +467,7 @@ impl Stream {
             }
         }
         let rev = rev & (events | libc::POLLERR | libc::POLLHUP | libc::POLLNVAL);
-        (rev, self.wait(&st))
+        (rev, self.wait(&st, events & libc::POLLOUT != 0))
     }
 
     /// Waits (bounded) until the sends in flight completed and a FIN went, if asked.

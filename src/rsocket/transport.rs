@@ -483,11 +483,6 @@ impl Conn {
             && self.sent - self.peer_reposted() < u64::from(peer.rq)
     }
 
-    /// Whether only the peer's credits (not our own completions) hold sending back.
-    pub fn waits_for_credits(&self) -> bool {
-        !self.free_slots.is_empty() && self.in_sq < self.sq && !self.can_send()
-    }
-
     /// Sends one message of `kind` with (up to [`SEG`] bytes of) `data`; the bytes taken.
     /// Call after [`Conn::can_send`].
     pub fn send(&mut self, kind: u32, data: &[u8]) -> Result<usize, RsError> {
