@@ -1029,6 +1029,11 @@ enum Round {
     Wait(Vec<pollfd>, c_int),
 }
 
+/// `d` in whole milliseconds, rounded up (a poll(2) timeout that does not return early).
+fn ceil_ms(d: Duration) -> c_int {
+    d.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn rpoll(fds: *mut pollfd, nfds: nfds_t, timeout: c_int) -> c_int {
     if nfds > 0 && fds.is_null() {
@@ -1070,8 +1075,9 @@ pub unsafe extern "C-unwind" fn rpoll(fds: *mut pollfd, nfds: nfds_t, timeout: c
             Round::Failed(e) => return c_int::minus_one(e),
             Round::Wait(w, t) => (w, t),
         };
-        let left =
-            deadline.map(|d| d.saturating_duration_since(Instant::now()).as_millis() as c_int);
+        // Rounded up: with 0.9 ms left, a 1 ms rpoll still waits (truncated to 0, it returned
+        // at once, and udpong, resending on every timeout, read its own duplicate echoes).
+        let left = deadline.map(|d| ceil_ms(d.saturating_duration_since(Instant::now())));
         if left == Some(0) {
             // A caller polling with timeout 0 spins: let the engine's progress thread run.
             std::thread::yield_now();
@@ -1126,8 +1132,9 @@ pub unsafe extern "C-unwind" fn rselect(
     } else {
         // SAFETY: the caller's timeout.
         let t = unsafe { &*timeout };
-        (t.tv_sec.max(0).saturating_mul(1000) + t.tv_usec.max(0) / 1000).min(i64::from(c_int::MAX))
-            as c_int
+        // Rounded up, as select(2) never waits less than asked.
+        (t.tv_sec.max(0).saturating_mul(1000) + (t.tv_usec.max(0) + 999) / 1000)
+            .min(i64::from(c_int::MAX)) as c_int
     };
     // SAFETY: our own array.
     let n = unsafe { rpoll(pfds.as_mut_ptr(), pfds.len() as nfds_t, ms) };

@@ -365,7 +365,7 @@ impl Datagram {
     pub fn recv(&self, buf: &mut [u8], peek: bool) -> Result<Option<Received>, RsError> {
         let mut st = self.state();
         ensure_port(&mut st)?;
-        progress(&mut st);
+        progress_now(&mut st);
         let Some(a) = st.ready.front() else {
             if st.shut_rd {
                 return Ok(None);
@@ -390,7 +390,7 @@ impl Datagram {
         if ensure_port(&mut st).is_err() {
             rev |= libc::POLLERR;
         }
-        progress(&mut st);
+        progress_now(&mut st);
         if !st.ready.is_empty() || st.shut_rd {
             rev |= libc::POLLIN;
         }
@@ -723,6 +723,22 @@ fn flush(st: &mut State, key: SocketAddr) {
 }
 
 /// Takes what arrived: resolution messages, completions; runs the REQ timers.
+/// [`progress`], and when nothing has arrived, the engine's worker progressed from this
+/// thread first (if no other thread is at it), as `ibv_poll_cq` on an empty CQ does: a
+/// receiver that polls (udpong's server spins on `rrecvfrom`, its client on `rpoll` with a
+/// 1 ms timeout) gets its datagrams without waiting for the progress thread to be scheduled
+/// beside it.
+fn progress_now(st: &mut State) {
+    progress(st);
+    if st.ready.is_empty()
+        && st.port.is_some()
+        && let Some(engine) = crate::engine::Engine::running()
+    {
+        engine.progress_from_app();
+        progress(st);
+    }
+}
+
 fn progress(st: &mut State) {
     if st.port.is_none() {
         return;

@@ -27,11 +27,19 @@
 #include <sys/select.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "checks.h"
 
 #define MAXD 4080
+
+static double now_ms(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
 
 static uint8_t pattern(uint32_t i, uint32_t seed) { return (uint8_t)((i * 2654435761u) >> 13 ^ seed); }
 
@@ -187,6 +195,23 @@ int main(void)
 	struct pollfd ps[2] = { { .fd = b, .events = POLLIN }, { .fd = a, .events = POLLOUT } };
 	CHECK(rpoll(ps, 2, 0) == 1 && ps[0].revents == 0 && ps[1].revents == POLLOUT,
 	      "B not readable, A writable");
+	/* Timeouts are waited out in full, as poll(2) and select(2) wait: a 1 ms rpoll once
+	 * returned at once (udpong resends on every 1 ms timeout, and then read its own
+	 * duplicate echoes). */
+	for (int ms = 1; ms <= 3; ms++) {
+		double t0 = now_ms();
+		CHECK(rpoll(ps, 1, ms) == 0, "rpoll %d ms: nothing", ms);
+		CHECK(now_ms() - t0 >= ms, "rpoll waited %d ms (%.3f)", ms, now_ms() - t0);
+	}
+	{
+		fd_set none;
+		FD_ZERO(&none);
+		FD_SET(b, &none);
+		struct timeval half = { .tv_usec = 500 };
+		double t0 = now_ms();
+		CHECK(rselect(b + 1, &none, NULL, NULL, &half) == 0, "rselect 0.5 ms: nothing");
+		CHECK(now_ms() - t0 >= 0.5, "rselect waited 0.5 ms (%.3f)", now_ms() - t0);
+	}
 	CHECK(rsendto(a, "ping", 4, 0, (struct sockaddr *)&baddr, sizeof baddr) == 4, "ping");
 	fd_set rd;
 	FD_ZERO(&rd);
