@@ -112,6 +112,10 @@ fn rstream_blocking_default_test_set() {
 /// 5 ms apiece on 2 cores (the set ran for many minutes).
 #[test]
 fn riostream_default_test_set() {
+    if let Some(why) = cross_memory_attach_refused() {
+        eprintln!("skipped: {why}");
+        return;
+    }
     default_test_set("riostream", &[]);
 }
 

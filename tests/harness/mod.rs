@@ -112,6 +112,32 @@ pub fn run_checked_under_ugdr(exe: &std::path::Path, args: &[&str], what: &str, 
 }
 
 /// A command with only libugdr.so preloaded.
+/// Why this process's children may not reach each other by cross-memory attach
+/// (`process_vm_writev`/`readv`), if they may not: Yama's `ptrace_scope` 1 or more keeps
+/// attaching to a sibling to holders of CAP_SYS_PTRACE (and 3 to nobody). ugdr's same-host
+/// path then takes messages for memory on pages shared with other data; tests that need the
+/// attach say they were skipped, and why.
+pub fn cross_memory_attach_refused() -> Option<String> {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())?;
+    if scope == 0 {
+        return None;
+    }
+    const CAP_SYS_PTRACE: u32 = 19;
+    let has_ptrace = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|st| {
+            st.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_PTRACE) != 0);
+    (scope >= 3 || !has_ptrace).then(|| {
+        format!("kernel.yama.ptrace_scope = {scope} without CAP_SYS_PTRACE: no cross-memory attach")
+    })
+}
+
 pub fn preloaded(program: &str, args: &[&str]) -> Command {
     let mut c = Command::new(require(program));
     c.args(args).env("LD_PRELOAD", lib_path());
