@@ -483,6 +483,36 @@ mod tests {
     }
 
     #[test]
+    fn cross_memory_attach_copies_whole_spans_and_refuses_unmapped_ranges() {
+        use crate::shared_memory::{read_process, write_process};
+        let me = std::process::id() as i32;
+        let target = anonymous(2);
+        let source = anonymous(1);
+        source[..10].copy_from_slice(b"0123456789");
+        let at = target.as_ptr() as u64 + 100;
+        // Two spans land back to back, in order.
+        let src = source.as_ptr() as u64;
+        write_process(me, at, &[span(src + 5, 5), span(src, 5)]).unwrap();
+        assert_eq!(&target[100..110], b"5678901234");
+        assert_eq!(target[99], 99, "nothing before");
+        assert_eq!(target[110], 110, "nothing after");
+        let back = anonymous(1);
+        read_process(me, at, &[span(back.as_ptr() as u64, 10)]).unwrap();
+        assert_eq!(&back[..10], b"5678901234");
+        // A range running into an unmapped page is refused, not partly reported as done.
+        let page = page_size();
+        let second = target[page as usize..].as_mut_ptr().cast();
+        // SAFETY: the second page of the test's own mapping, which nothing else uses.
+        let unmapped = unsafe { libc::munmap(second, page as usize) };
+        assert_eq!(unmapped, 0);
+        let last = target.as_ptr() as u64 + page - 4;
+        let err = write_process(me, last, &[span(src, 8)]).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
+        let err = read_process(me, last, &[span(back.as_ptr() as u64, 8)]).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
+    }
+
+    #[test]
     fn sharing_keeps_the_bytes_and_a_peer_mapping_sees_and_changes_them() {
         let buf = anonymous(4);
         let start = buf.as_ptr() as u64;
