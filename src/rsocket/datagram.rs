@@ -722,7 +722,6 @@ fn flush(st: &mut State, key: SocketAddr) {
     }
 }
 
-/// Takes what arrived: resolution messages, completions; runs the REQ timers.
 /// [`progress`], and when nothing has arrived, the engine's worker progressed from this
 /// thread first (if no other thread is at it), as `ibv_poll_cq` on an empty CQ does: a
 /// receiver that polls (udpong's server spins on `rrecvfrom`, its client on `rpoll` with a
@@ -739,6 +738,7 @@ fn progress_now(st: &mut State) {
     }
 }
 
+/// Takes what arrived: resolution messages, completions; runs the REQ timers.
 fn progress(st: &mut State) {
     if st.port.is_none() {
         return;
