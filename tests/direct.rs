@@ -126,27 +126,23 @@ fn shared_memfd_while_stopped() {
 /// while it is stopped, landing nowhere outside the region (atomics on the whole pages stay
 /// CPU atomics on the shared pages).
 fn part_pages_while_stopped() {
-    if skipped_without_attach() {
-        return;
-    }
-    run(
-        "while_stopped",
-        &[("UGDR_TEST_PART_PAGES", "1")],
-        Requester::Privileged,
-    );
+    run_part_pages("while_stopped");
 }
 fn refusals() {
     run("refusals", &[], Requester::Privileged);
 }
-/// Whether this host forbids the cross-memory attach the part-page cases need (said so).
-fn skipped_without_attach() -> bool {
-    match harness::cross_memory_attach_refused() {
-        Some(why) => {
-            println!("skipped: {why}");
-            true
-        }
-        None => false,
+/// `scenario` on a target whose region starts and ends inside a page; skipped (and said so)
+/// where this host forbids the cross-memory attach it needs.
+fn run_part_pages(scenario: &str) {
+    if let Some(why) = harness::cross_memory_attach_refused() {
+        println!("skipped: {why}");
+        return;
     }
+    run(
+        scenario,
+        &[("UGDR_TEST_PART_PAGES", "1")],
+        Requester::Privileged,
+    );
 }
 fn dereg_race() {
     run("dereg_race", &[], Requester::Privileged);
@@ -154,14 +150,7 @@ fn dereg_race() {
 /// As `dereg_race`, the WRITEs landing in a page the region shares with other memory (by
 /// cross-memory attach).
 fn part_pages_dereg_race() {
-    if skipped_without_attach() {
-        return;
-    }
-    run(
-        "dereg_race",
-        &[("UGDR_TEST_PART_PAGES", "1")],
-        Requester::Privileged,
-    );
+    run_part_pages("dereg_race");
 }
 fn rereg() {
     run("rereg", &[], Requester::Privileged);

@@ -66,9 +66,8 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> 
         // finds nothing and fails as for a destroyed channel).
         let removed = CHANNELS.remove_if(&(ch as usize), |_, c| c.check_destroyable().is_ok());
         if removed.is_none() {
-            return status(channel.check_destroyable().and(Err(VerbsError::Invalid(
-                "completion channel destroyed by another thread",
-            ))));
+            let busy = channel.check_destroyable();
+            return status(busy.and(Err(VerbsError::Invalid("destroyed by another thread"))));
         }
         // SAFETY: ours and unregistered above, by this call alone; the application gives it
         // up here.

@@ -310,29 +310,44 @@ unsafe fn recv_into(
     let (ptr, mut done) = (buf as usize, 0usize);
     let rs = Rsocket::Stream(std::sync::Arc::clone(&s));
     run(name, &rs, dontwait, move || {
-        loop {
+        // Like a socket: with MSG_WAITALL a blocking receive goes on for the rest.
+        transfer(&s, dontwait, len, waitall, &mut done, |done| {
             // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
             let out =
                 unsafe { std::slice::from_raw_parts_mut((ptr as *mut u8).add(done), len - done) };
-            return match s.recv(out, peek) {
-                Ok(0) => Ok(done as isize),
-                Ok(n) => {
-                    done += n;
-                    if waitall && done < len && !dontwait && !s.is_nonblocking() {
-                        // Like a socket: keep going for the rest; the call that finds
-                        // nothing says what to wait on.
-                        continue;
-                    }
-                    Ok(done as isize)
-                }
-                Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
-                    Err(RsError::Wait(w))
-                }
-                Err(_) if done > 0 => Ok(done as isize),
-                Err(e) => Err(e),
-            };
-        }
+            s.recv(out, peek)
+        })
     })
+}
+
+/// One stream rsocket call over the caller's `len` bytes, `done` of them moved so far:
+/// `step(done)` moves more. When `whole` and the call may block, one that moved some asks
+/// again at once until all `len` moved: only the call that finds no room or no data says what
+/// to wait on (asked afterwards, once credits had come in, the answer was "nothing will wake
+/// you"). What moved before an error is returned instead of the error.
+fn transfer(
+    s: &rsocket::Stream,
+    dontwait: bool,
+    len: usize,
+    whole: bool,
+    done: &mut usize,
+    mut step: impl FnMut(usize) -> Result<usize, RsError>,
+) -> Result<isize, RsError> {
+    let blocking = !dontwait && !s.is_nonblocking();
+    loop {
+        match step(*done) {
+            Ok(0) => return Ok(*done as isize),
+            Ok(n) => {
+                *done += n;
+                if !(whole && blocking && *done < len) {
+                    return Ok(*done as isize);
+                }
+            }
+            Err(RsError::Wait(w)) if *done > 0 && blocking => return Err(RsError::Wait(w)),
+            Err(_) if *done > 0 => return Ok(*done as isize),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Sends the caller's bytes.
@@ -363,28 +378,13 @@ unsafe fn send_from(
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let rs = Rsocket::Stream(std::sync::Arc::clone(&s));
     run(name, &rs, dontwait, move || {
-        loop {
+        // A blocking socket sends everything before it returns.
+        transfer(&s, dontwait, len, true, &mut done, |done| {
             // SAFETY: the caller's buffer of `len` bytes; `done` <= len.
             let data =
                 unsafe { std::slice::from_raw_parts((ptr as *const u8).add(done), len - done) };
-            return match s.send(data) {
-                Ok(n) => {
-                    done += n;
-                    if done < len && !dontwait && !s.is_nonblocking() {
-                        // A blocking socket sends everything before it returns. What to
-                        // wait on is for the call that finds no room to say: asked here,
-                        // after credits came in, it was "nothing will wake you".
-                        continue;
-                    }
-                    Ok(done as isize)
-                }
-                Err(RsError::Wait(w)) if done > 0 && !dontwait && !s.is_nonblocking() => {
-                    Err(RsError::Wait(w))
-                }
-                Err(_) if done > 0 => Ok(done as isize),
-                Err(e) => Err(e),
-            };
-        }
+            s.send(data)
+        })
     })
 }
 

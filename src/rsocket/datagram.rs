@@ -723,7 +723,7 @@ fn flush(st: &mut State, key: SocketAddr) {
 }
 
 /// [`progress`], and when nothing has arrived, the engine's worker progressed from this
-/// thread first (if no other thread is at it), as `ibv_poll_cq` on an empty CQ does: a
+/// thread (if no other thread is at it) and the CQ looked at again, as `ibv_poll_cq` on an empty CQ does: a
 /// receiver that polls (udpong's server spins on `rrecvfrom`, its client on `rpoll` with a
 /// 1 ms timeout) gets its datagrams without waiting for the progress thread to be scheduled
 /// beside it.
@@ -734,7 +734,7 @@ fn progress_now(st: &mut State) {
         && let Some(engine) = crate::engine::Engine::running()
     {
         engine.progress_from_app();
-        progress(st);
+        take_arrivals(st);
     }
 }
 
@@ -744,6 +744,12 @@ fn progress(st: &mut State) {
         return;
     }
     read_resolutions(st);
+    take_arrivals(st);
+    run_timers(st);
+}
+
+/// Takes the datagrams the port's CQ holds.
+fn take_arrivals(st: &mut State) {
     let mut arrived: Vec<WorkCompletion> = Vec::new();
     if let Some(port) = st.port.as_mut() {
         port.poll(|_, wc| arrived.push(*wc));
@@ -751,7 +757,6 @@ fn progress(st: &mut State) {
     for wc in &arrived {
         on_receive(st, wc);
     }
-    run_timers(st);
 }
 
 fn read_resolutions(st: &mut State) {
