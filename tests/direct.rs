@@ -12,6 +12,11 @@
 //! is off (`UGDR_DIRECT=off`) or not permitted (a non-dumpable target, a requester without
 //! CAP_SYS_PTRACE) the same operations complete through messages.
 //!
+//! On the message path, UCX may still read an application buffer after the WR that named it
+//! went to ERR, or after `ibv_destroy_qp`, while the peer has not pulled a rendezvous message
+//! yet: two cases stop the peer at that moment and check that the buffer, overwritten once the
+//! application may reuse it, never reaches the peer as data of a successful completion.
+//!
 //! Runs without libtest's harness (the binary is also the two roles); prints libtest-style
 //! lines and the closing "N passed, M failed".
 
@@ -42,7 +47,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 14] = [
+    let cases: [(&str, fn()); 16] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
@@ -74,6 +79,14 @@ fn main() {
         (
             "a_requester_not_permitted_falls_back_to_messages",
             not_permitted,
+        ),
+        (
+            "a_flushed_send_completes_only_once_ucx_is_done_with_its_buffer",
+            flushed_send,
+        ),
+        (
+            "destroy_qp_returns_only_once_ucx_is_done_with_a_read_answer",
+            destroyed_responder,
         ),
         ("messages_in_order_under_event_progress", || {
             messages_in_order("event")
@@ -170,6 +183,22 @@ fn messages_in_order(mode: &str) {
     run(
         "ordering_messages",
         &[("UGDR_DIRECT", "off"), ("UGDR_PROGRESS", mode)],
+        Requester::Privileged,
+    );
+}
+/// A 1 MiB SEND (a rendezvous message) to a stopped target, the requester's QP moved to ERR:
+/// the flushed WR completes, the application overwrites its buffer, and the target, continued,
+/// must receive the bytes posted, not the new ones.
+fn flushed_send() {
+    run("flushed_send", &[], Requester::Privileged);
+}
+/// The target READs 1 MiB from the requester and stops before the answer is pulled; the
+/// requester destroys its QP, then overwrites the buffer: the target's READ must not complete
+/// with the new bytes (on the message path: the target is not allowed the direct one).
+fn destroyed_responder() {
+    run(
+        "destroyed_responder",
+        &[("UGDR_DIRECT", "off")],
         Requester::Privileged,
     );
 }
@@ -274,6 +303,10 @@ fn run(scenario: &str, target_env: &[(&str, &str)], how: Requester) {
             Ok(line) => {
                 if let Some(cmd) = line.strip_prefix("to-target ") {
                     say(&mut to_target, cmd);
+                } else if line == "target-stopped" {
+                    // The target stops itself (SIGSTOP) after a command.
+                    wait_stopped(target.id());
+                    say(&mut to_requester, "P ok");
                 } else if line == "stop-target" || line == "cont-target" {
                     let sig = if line == "stop-target" {
                         nix::sys::signal::Signal::SIGSTOP
@@ -476,6 +509,8 @@ fn target_role() {
     let recv_mr = recv.reg(&dev, LOCAL_WRITE);
     let mut qp = dev.rc_qp(cq, cq, 64);
     let mut moved: Option<Region> = None;
+    // Where "recv-big" and "read-stop" land.
+    let mut landing: Option<(Region, *mut ibv_mr)> = None;
     unsafe {
         out(&format!(
             "ready {} {} {} {} {} {}",
@@ -551,11 +586,61 @@ fn target_role() {
                 eprintln!("order: {verdict}");
                 out(&verdict);
             }
+            "recv-big" => {
+                let len = fields(&line)[0] as usize;
+                let (into, mr) = landing.insert(land(&dev, len));
+                let mut sge = [ibv_sge {
+                    addr: into.addr(),
+                    length: len as u32,
+                    lkey: unsafe { (**mr).lkey },
+                }];
+                assert_eq!(post_one_recv(qp, 41, &mut sge), 0);
+                out("posted");
+            }
+            "read-stop" => {
+                // READ the requester's memory, then stop before its answer can be pulled.
+                let f = fields(&line);
+                let len = f[2] as usize;
+                let (into, mr) = landing.insert(land(&dev, len));
+                let mut sge = [ibv_sge {
+                    addr: into.addr(),
+                    length: len as u32,
+                    lkey: unsafe { (**mr).lkey },
+                }];
+                let read = ibv_wr_opcode::IBV_WR_RDMA_READ;
+                assert_eq!(
+                    post_one_send(qp, &mut rdma_wr(42, &mut sge, read, f[0], f[1] as u32)),
+                    0
+                );
+                out("posted");
+                unsafe { libc::raise(libc::SIGSTOP) };
+            }
+            "landed" => {
+                // The completion of what "recv-big" or "read-stop" posted, and what landed.
+                let wc = poll_n(cq, 1)[0];
+                let (into, _) = landing.as_ref().expect("something posted");
+                out(&format!(
+                    "landed {} {} {} {} {} {}",
+                    wc.wr_id,
+                    wc.status.0,
+                    wc.opcode.0,
+                    wc.byte_len,
+                    wc.qp_num,
+                    fnv(into.bytes())
+                ));
+            }
             "quit" => break,
             _ => out(&format!("unknown {line}")),
         }
     }
     let _ = rw_mr;
+}
+
+/// A zeroed region of `len` bytes registered for local write (what a receive or READ fills).
+fn land(dev: &Device, len: usize) -> (Region, *mut ibv_mr) {
+    let r = Region::new(len);
+    let mr = r.reg(dev, LOCAL_WRITE);
+    (r, mr)
 }
 
 /// `ibv_rereg_mr` flags.
@@ -774,6 +859,8 @@ fn requester_role(scenario: &str) {
             "ordering_messages" => scenario_ordering(&mut relay, &mut link, 5_000),
             "fallback" => scenario_fallback(&mut relay, &mut link),
             "reregistered" => scenario_reregistered(&mut relay, &mut link),
+            "flushed_send" => scenario_flushed_send(&mut relay, &mut link),
+            "destroyed_responder" => scenario_destroyed_responder(&mut relay, &mut link),
             other => panic!("unknown scenario {other}"),
         }
     }));
@@ -1063,6 +1150,86 @@ fn scenario_ordering(relay: &mut Relay, link: &mut Link, n: u64) {
         );
     }
     assert_eq!(relay.target(), "ordered");
+}
+
+/// Has the test process continue the target after `after` (this thread may be blocked in a
+/// verb by then); the relay's answer is read with [`Relay::signal`]'s "P ok" afterwards.
+fn continue_target_after(after: Duration) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        out("cont-target");
+    })
+}
+
+fn scenario_flushed_send(relay: &mut Relay, link: &mut Link) {
+    const LEN: usize = 1 << 20;
+    fill(link, LEN, 0x11);
+    let posted = fnv(&link.local.bytes()[..LEN]);
+    assert_eq!(relay.ask(&format!("recv-big {LEN}")), "posted");
+    relay.signal("stop-target");
+    let mut sge = [link.sge(0, LEN)];
+    let signaled = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    let mut wr = send_wr(5, &mut sge, ibv_wr_opcode::IBV_WR_SEND, signaled);
+    assert_eq!(post_one_send(link.qp, &mut wr), 0);
+    to_error(link.qp);
+    let cont = continue_target_after(Duration::from_millis(300));
+    let wc = link
+        .completion(Duration::from_secs(10))
+        .expect("the flushed SEND completes");
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.qp_num, wc.byte_len),
+        (5, ibv_wc_status::IBV_WC_WR_FLUSH_ERR, qp_num(link.qp), 0),
+        "the SEND is flushed"
+    );
+    // The buffer is the application's again: it reuses it.
+    fill(link, LEN, 0x22);
+    cont.join().unwrap();
+    assert_eq!(relay.next(), "P ok");
+    // The target pulled it once continued: what it received is what was posted.
+    let received = landed(relay, 41, ibv_wc_opcode::IBV_WC_RECV, LEN);
+    assert_eq!(
+        received, posted,
+        "the target received the bytes the SEND was posted with"
+    );
+}
+
+fn scenario_destroyed_responder(relay: &mut Relay, link: &mut Link) {
+    const LEN: usize = 1 << 20;
+    fill(link, LEN, 0x33);
+    let answered = fnv(&link.local.bytes()[..LEN]);
+    let mr = link.local.reg(&link.dev, LOCAL_WRITE | REMOTE_READ);
+    let rkey = unsafe { (*mr).rkey };
+    assert_eq!(
+        relay.ask(&format!("read-stop {} {rkey} {LEN}", link.local.addr())),
+        "posted"
+    );
+    relay.signal("target-stopped");
+    // This process's progress thread answers the READ meanwhile: the answer waits in UCX
+    // for the stopped target to pull it.
+    std::thread::sleep(Duration::from_millis(100));
+    let cont = continue_target_after(Duration::from_millis(300));
+    assert_eq!(unsafe { ibv_destroy_qp(link.qp) }, 0);
+    // Nothing reads the buffer on the QP's behalf any more: the application reuses it.
+    fill(link, LEN, 0x44);
+    cont.join().unwrap();
+    assert_eq!(relay.next(), "P ok");
+    // The target pulled the answer once continued (ugdr's destroy waited for that): it
+    // carries the bytes of the time the READ was answered.
+    let read = landed(relay, 42, ibv_wc_opcode::IBV_WC_RDMA_READ, LEN);
+    assert_eq!(read, answered, "the READ's bytes");
+}
+
+/// The target's successful completion of what "recv-big" or "read-stop" posted; the hash of
+/// what landed.
+fn landed(relay: &mut Relay, wr_id: u64, opcode: ibv_wc_opcode, len: usize) -> u64 {
+    let f = fields(&relay.ask("landed"));
+    let success = ibv_wc_status::IBV_WC_SUCCESS.0;
+    assert_eq!(
+        &f[..4],
+        &[wr_id, success.into(), opcode.0.into(), len as u64],
+        "the target's completion"
+    );
+    f[5]
 }
 
 fn scenario_fallback(relay: &mut Relay, link: &mut Link) {

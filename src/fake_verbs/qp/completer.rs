@@ -77,10 +77,19 @@ impl QueuePair {
         self.flush(q);
     }
 
-    /// Releases finished send WRs from the head of the queue, in post order.
+    /// Releases finished send WRs from the head of the queue, in post order. One that did not
+    /// succeed (flushed, failed) while UCX still reads its buffers for a live peer waits for
+    /// UCX (`note_in_ucx`), and the WRs after it wait behind it: hardware stops reading a WR's
+    /// buffers before it reports it, and the application reuses them at once (an SPDK
+    /// initiator hands a flushed command's buffer to the next qpair). One that succeeded was
+    /// delivered whole, so what UCX still carries is a duplicate the responder drops.
     pub(super) fn release_send_completions(&self, q: &mut Queues) {
+        let peer_dead = q.peer.as_ref().is_none_or(|p| p.endpoint.failed());
         while let Some(head) = q.sq.front() {
             let Some(status) = head.outcome else { break };
+            if status != WcStatus::Success && head.in_ucx > 0 && !peer_dead {
+                break;
+            }
             let e = q.sq.pop_front().expect("head exists");
             if e.signaled || status != WcStatus::Success {
                 let mut wc = WorkCompletion::new(e.wr_id, status, e.opcode, self.qp_num);

@@ -46,8 +46,14 @@ use crate::engine::MessageReceiver;
 use crate::engine::wire::Header;
 use crate::ucp::{AmPayload, AppSpan, Endpoint, LockedWorker};
 use queues::{Deferred, Queues, release_kept};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How long `ibv_destroy_qp` waits for UCX to be done with the QP's application memory when
+/// the peer is alive but does not take (or drop) what is in flight: a peer stopped in a
+/// debugger, or one that does not progress. Past it the destroy goes on (see `destroy`).
+const UCX_IO_FENCE_MAX: Duration = Duration::from_secs(2);
 
 pub struct QueuePair {
     pub qp_num: u32,
@@ -63,6 +69,10 @@ pub struct QueuePair {
     pub local_lid: u16,
     handle: AtomicUsize,
     queues: Mutex<Queues>,
+    /// UCX operations in flight over this QP's application memory: sends that read it (data
+    /// messages, READ responses) and rendezvous receives that write it. Counted up and down
+    /// under the worker lock; `destroy` waits for it to reach 0.
+    ucx_io: AtomicU32,
     /// Told when the transport timer (or the RNR retry count) fails the QP.
     on_transport_error: Mutex<Option<TransportErrorHook>>,
     /// An XRC target QP's domain and handles ([`xrc`]).
@@ -108,6 +118,7 @@ impl QueuePair {
             local_lid,
             handle: AtomicUsize::new(0),
             queues: Mutex::new(Queues::new()),
+            ucx_io: AtomicU32::new(0),
             on_transport_error: Mutex::new(None),
             xrc_target: None,
         }))
@@ -160,11 +171,13 @@ impl QueuePair {
                     let done = Box::new(
                         move |locked: &LockedWorker<'_>,
                               result: Result<usize, crate::ucp::Error>| {
+                            me.ucx_io_done();
                             landed(&me, locked, seq, result)
                         },
                     );
                     match locked.receive_rendezvous(data, &spans, done) {
-                        Ok(false) => {}
+                        // Its callback cannot run before this: it needs the worker lock.
+                        Ok(false) => self.ucx_io_started(),
                         Ok(true) => landed(self, locked, seq, Ok(0)),
                         Err(e) => landed(self, locked, seq, Err(e)),
                     }
@@ -218,8 +231,14 @@ impl QueuePair {
     }
 
     /// `ibv_destroy_qp`: releases kept messages and detaches from PD and CQs. No completions.
+    /// Destroys the QP. Once it returns, nothing reads or writes the application's buffers on
+    /// its behalf any more, as a HCA stops DMA for a QP before `ibv_destroy_qp` returns:
+    /// UCX operations still moving bytes of this QP's WRs or READ responses (the peer pulling
+    /// a rendezvous message) are progressed to their end first. Those to a peer found dead end
+    /// at once; a live peer that takes none of it for [`UCX_IO_FENCE_MAX`] (stopped) is given
+    /// up on, and may read what it was sent later.
     pub fn destroy(self: &Arc<Self>, locked: &LockedWorker<'_>) {
-        self.locked_then_send(locked, |q| {
+        let peer = self.locked_then_send(locked, |q| {
             release_kept(q);
             q.sq.clear();
             q.rq.clear();
@@ -228,7 +247,9 @@ impl QueuePair {
             if q.dropped > 0 {
                 tracing::debug!("qp {:#x}: {} requests dropped", self.qp_num, q.dropped);
             }
+            q.peer.as_ref().map(|p| Arc::clone(&p.endpoint))
         });
+        self.wait_for_ucx_io(locked, peer.as_deref());
         self.on_transport_error(None);
         self.pd.release_child();
         self.send_cq.release_user();
@@ -238,6 +259,41 @@ impl QueuePair {
         }
         if let Some(d) = self.xrc_domain() {
             d.remove_target(self.qp_num);
+        }
+    }
+}
+
+impl QueuePair {
+    /// A UCX operation over this QP's application memory started (it stays pending).
+    pub(super) fn ucx_io_started(&self) {
+        self.ucx_io.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// One such operation ended (its callback ran).
+    pub(super) fn ucx_io_done(&self) {
+        self.ucx_io.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Progresses the worker until UCX is done with this QP's application memory, the peer
+    /// is found dead, or [`UCX_IO_FENCE_MAX`] passed.
+    fn wait_for_ucx_io(&self, locked: &LockedWorker<'_>, peer: Option<&Endpoint>) {
+        let deadline = Instant::now() + UCX_IO_FENCE_MAX;
+        while self.ucx_io.load(Ordering::Acquire) > 0 {
+            if peer.is_some_and(Endpoint::failed) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "qp {:#x}: destroyed while its peer still had {} transfer(s) of its memory \
+                     in flight",
+                    self.qp_num,
+                    self.ucx_io.load(Ordering::Acquire)
+                );
+                return;
+            }
+            if locked.progress() == 0 {
+                std::thread::yield_now();
+            }
         }
     }
 }

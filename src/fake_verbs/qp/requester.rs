@@ -489,8 +489,20 @@ impl QueuePair {
         // sends carry a copy (`post_send_locked`) and complete once handed to UCX.
         let unreliable = !self.qp_type.reliable();
         let copied = self.qp_type == QpType::Ud;
+        // UCX reads application memory until the send completes: counted, so that
+        // `destroy` can wait for it (`QueuePair::ucx_io`).
+        let reads_app = matches!(payload, SendPayload::Spans(_));
         let result = if seqs.is_empty() {
-            endpoint.am_send(locked, wire::AM_ID, header, payload, |_, _| {})
+            // An ACK, or an answer (a READ's bytes from registered memory).
+            let make_done = || {
+                let me = reads_app.then(|| Arc::clone(self));
+                move |_: &LockedWorker<'_>, _: Result<(), crate::ucp::Error>| {
+                    if let Some(me) = me {
+                        me.ucx_io_done();
+                    }
+                }
+            };
+            endpoint.am_send_then(locked, wire::AM_ID, header, payload, make_done, false)
         } else {
             // Made only if UCX keeps the send pending (not for one its short protocol
             // finished inside the call).
@@ -498,6 +510,9 @@ impl QueuePair {
                 let me = Arc::clone(self);
                 let done_seqs = Seqs::from_slice(&seqs);
                 move |locked: &LockedWorker<'_>, result: Result<(), crate::ucp::Error>| {
+                    if reads_app {
+                        me.ucx_io_done();
+                    }
                     if copied {
                         return; // completed when handed over
                     }
@@ -510,7 +525,9 @@ impl QueuePair {
                                 if unreliable {
                                     me.sent(locked, seq);
                                 } else {
-                                    // The first failure fails the QP and flushes the rest.
+                                    // UCX is done with it either way; the first failure
+                                    // fails the QP and flushes the rest.
+                                    me.note_in_ucx(locked, seq, -1);
                                     me.fail_send(locked, seq, WcStatus::RetryExcErr);
                                     return;
                                 }
@@ -521,6 +538,10 @@ impl QueuePair {
             };
             endpoint.am_send_then(locked, wire::AM_ID, header, payload, make_done, bundle)
         };
+        if reads_app && result == Ok(SendState::Pending) {
+            // Its callback cannot run before this: it needs the worker lock.
+            self.ucx_io_started();
+        }
         match result {
             Ok(_) if copied => seqs.iter().for_each(|&s| self.sent(locked, s)),
             Ok(SendState::Done) if unreliable => seqs.iter().for_each(|&s| self.sent(locked, s)),

@@ -223,14 +223,17 @@ impl QueuePair {
         }
     }
 
-    /// A message of this QP entered UCX (`+1`) or UCX finished with it (`-1`).
+    /// A message of this QP entered UCX (`+1`) or UCX finished with it (`-1`). A WR that
+    /// failed or was flushed meanwhile completes once UCX is done with its buffers
+    /// (`release_send_completions`).
     pub(super) fn note_in_ucx(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32, d: i16) {
         self.locked_then_send(locked, |q| {
-            if let Some(e) =
-                q.sq.iter_mut()
-                    .find(|e| e.seq == seq && e.resend.is_some() && e.outcome.is_none())
-            {
-                e.in_ucx += d;
+            let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq && e.resend.is_some()) else {
+                return;
+            };
+            e.in_ucx += d;
+            if e.in_ucx <= 0 && e.outcome.is_some() {
+                self.release_send_completions(q);
             }
         });
     }

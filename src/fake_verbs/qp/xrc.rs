@@ -33,7 +33,7 @@ use super::super::xrc::{XrcDomain, XrcdHandle};
 use super::queues::Queues;
 use super::{QpCaps, QueuePair};
 use crate::engine::wire::{Header, Nak, Op};
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU32, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
 /// What an XRC target QP has beyond a QP: its domain, and the handles (C objects) that
@@ -62,6 +62,7 @@ impl QueuePair {
             local_lid,
             handle: AtomicUsize::new(0),
             queues: Mutex::new(Queues::new()),
+            ucx_io: AtomicU32::new(0),
             on_transport_error: Mutex::new(None),
             xrc_target: Some(XrcTarget {
                 domain: Arc::clone(d),
