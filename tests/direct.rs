@@ -47,7 +47,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 16] = [
+    let cases: [(&str, fn()); 17] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
@@ -87,6 +87,10 @@ fn main() {
         (
             "destroy_qp_returns_only_once_ucx_is_done_with_a_read_answer",
             destroyed_responder,
+        ),
+        (
+            "dereg_mr_returns_only_once_ucx_is_done_with_a_read_answer",
+            deregistered_responder,
         ),
         ("messages_in_order_under_event_progress", || {
             messages_in_order("event")
@@ -198,6 +202,14 @@ fn flushed_send() {
 fn destroyed_responder() {
     run(
         "destroyed_responder",
+        &[("UGDR_DIRECT", "off")],
+        Requester::Privileged,
+    );
+}
+/// As `destroyed_responder`, the requester deregistering the MR the READ reads instead.
+fn deregistered_responder() {
+    run(
+        "deregistered_responder",
         &[("UGDR_DIRECT", "off")],
         Requester::Privileged,
     );
@@ -860,7 +872,8 @@ fn requester_role(scenario: &str) {
             "fallback" => scenario_fallback(&mut relay, &mut link),
             "reregistered" => scenario_reregistered(&mut relay, &mut link),
             "flushed_send" => scenario_flushed_send(&mut relay, &mut link),
-            "destroyed_responder" => scenario_destroyed_responder(&mut relay, &mut link),
+            "destroyed_responder" => scenario_fenced_responder(&mut relay, &mut link, false),
+            "deregistered_responder" => scenario_fenced_responder(&mut relay, &mut link, true),
             other => panic!("unknown scenario {other}"),
         }
     }));
@@ -1193,7 +1206,9 @@ fn scenario_flushed_send(relay: &mut Relay, link: &mut Link) {
     );
 }
 
-fn scenario_destroyed_responder(relay: &mut Relay, link: &mut Link) {
+/// The READ's answer waits for the stopped target while this process destroys its QP (or,
+/// `dereg`, deregisters the MR the READ reads) and then reuses the buffer.
+fn scenario_fenced_responder(relay: &mut Relay, link: &mut Link, dereg: bool) {
     const LEN: usize = 1 << 20;
     fill(link, LEN, 0x33);
     let answered = fnv(&link.local.bytes()[..LEN]);
@@ -1208,12 +1223,17 @@ fn scenario_destroyed_responder(relay: &mut Relay, link: &mut Link) {
     // for the stopped target to pull it.
     std::thread::sleep(Duration::from_millis(100));
     let cont = continue_target_after(Duration::from_millis(300));
-    assert_eq!(unsafe { ibv_destroy_qp(link.qp) }, 0);
-    // Nothing reads the buffer on the QP's behalf any more: the application reuses it.
+    if dereg {
+        assert_eq!(unsafe { ibv_dereg_mr(mr) }, 0);
+    } else {
+        assert_eq!(unsafe { ibv_destroy_qp(link.qp) }, 0);
+    }
+    // Nothing reads the buffer on the QP's (the MR's) behalf any more: the application
+    // reuses it.
     fill(link, LEN, 0x44);
     cont.join().unwrap();
     assert_eq!(relay.next(), "P ok");
-    // The target pulled the answer once continued (ugdr's destroy waited for that): it
+    // The target pulled the answer once continued (ugdr's destroy or dereg waited): it
     // carries the bytes of the time the READ was answered.
     let read = landed(relay, 42, ibv_wc_opcode::IBV_WC_RDMA_READ, LEN);
     assert_eq!(read, answered, "the READ's bytes");

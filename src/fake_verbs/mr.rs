@@ -436,11 +436,16 @@ impl MemoryRegion {
         BY_RKEY.insert(new.rkey, Arc::clone(&new));
         lkeys_changed();
         *current = new;
+        drop(current);
+        // What was admitted under the old registration (a rendezvous WRITE landing, a READ's
+        // answer leaving) ends before this returns.
+        old.region.end_and_drain();
         Ok(())
     }
 
-    /// Revokes the keys at once; operations already holding the MR finish, and no same-host
-    /// peer reads or writes it directly once this returns. A region with memory windows bound
+    /// Revokes the keys at once; operations already holding the MR finish before this returns
+    /// (no UCX transfer and no same-host peer reads or writes it afterwards). Must not be
+    /// called with the worker lock held. A region with memory windows bound
     /// to it is EINVAL, as rxe's (the man page: "fails if any memory window is still bound").
     pub fn deregister(&self) -> Result<(), VerbsError> {
         let current = self.current();
@@ -455,6 +460,9 @@ impl MemoryRegion {
         BY_RKEY.remove(&reg.rkey);
         lkeys_changed();
         reg.withdraw();
+        // Transfers admitted before (a rendezvous WRITE landing, a READ's answer leaving, a
+        // send of its bytes) end before this returns: the application may free the memory.
+        reg.region.end_and_drain();
         if let (Some(m), Some(s)) = (Engine::local_memory(), reg.slot) {
             m.free_region_slot(s);
         }

@@ -27,9 +27,10 @@
 //!   application, which can no longer see them: what is written there is dropped, and what is
 //!   read there reads as zeros (an atomic returns 0 and changes nothing).
 //!
-//! Dropping the region (its MR deregistered and released) retires the cell the same way;
-//! while UCX still holds spans of it, it stays in the registry, dead, so that unmapping its
-//! range still waits for those transfers (as a HCA fences DMA before deregistration ends).
+//! Deregistration ends the region and waits for the transfers in progress on it
+//! ([`AppRegion::end_and_drain`]), as a HCA fences DMA before deregistration returns.
+//! Dropping the region retires the cell; while something still holds spans of it (a wait
+//! that gave up), it stays in the registry, dead, so that unmapping its range still waits.
 //!
 //! **On-demand paging.** An on-demand-paging region ([`AppRegion::on_demand`],
 //! `IBV_ACCESS_ON_DEMAND`) carries no pinning promise: the application may map and unmap
@@ -261,18 +262,19 @@ pub fn invalidate_range(start: u64, len: u64, loss: Loss) -> Invalidation {
             return changed;
         }
         for cell in busy.iter().flatten() {
-            if !drain(cell, deadline) {
+            if !drain(cell, deadline, "unmapped") {
                 return changed;
             }
         }
     }
 }
 
-/// Waits until no access is in progress on `cell`; false once `deadline` passed.
-fn drain(cell: &Liveness, deadline: Instant) -> bool {
+/// Waits until no access is in progress on `cell`; false once `deadline` passed (`what`
+/// happens to the memory then, for the log).
+fn drain(cell: &Liveness, deadline: Instant, what: &str) -> bool {
     while cell.busy.load(Ordering::SeqCst) != 0 {
         if Instant::now() >= deadline {
-            tracing::warn!("registered memory is unmapped while a transfer on it is in flight");
+            tracing::warn!("registered memory is {what} while a transfer on it is in flight");
             return false;
         }
         std::thread::sleep(Duration::from_micros(50));
@@ -540,6 +542,18 @@ impl Drop for HostBuffer {
         // SAFETY: the mapping made in `new`, unmapped once; no span of it is in use any more
         // (the owner's contract).
         unsafe { libc::munmap(self.addr as usize as *mut libc::c_void, self.len as usize) };
+    }
+}
+
+impl AppRegion {
+    /// Ends the region now (its spans see it dead) and waits until no access through it is in
+    /// progress — UCX transfers included, which end in the worker's progress, so the caller
+    /// must not hold the worker lock — at most [`DRAIN_LIMIT`]: what `ibv_dereg_mr` promises
+    /// (a HCA fences its DMA before deregistration returns). False when the wait gave up.
+    pub fn end_and_drain(&self) -> bool {
+        let pin = self.extent.pin;
+        pin.kill();
+        drain(pin.cell, Instant::now() + DRAIN_LIMIT, "deregistered")
     }
 }
 
