@@ -47,7 +47,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 17] = [
+    let cases: [(&str, fn()); 18] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
@@ -83,6 +83,10 @@ fn main() {
         (
             "a_flushed_send_completes_only_once_ucx_is_done_with_its_buffer",
             flushed_send,
+        ),
+        (
+            "a_flushed_uc_send_completes_only_once_ucx_is_done_with_its_buffer",
+            flushed_uc_send,
         ),
         (
             "destroy_qp_returns_only_once_ucx_is_done_with_a_read_answer",
@@ -196,6 +200,14 @@ fn messages_in_order(mode: &str) {
 fn flushed_send() {
     run("flushed_send", &[], Requester::Privileged);
 }
+/// As `flushed_send`, between UC QPs.
+fn flushed_uc_send() {
+    run(
+        "flushed_send",
+        &[("UGDR_TEST_QP_TYPE", "uc")],
+        Requester::Privileged,
+    );
+}
 /// The target READs 1 MiB from the requester and stops before the answer is pulled; the
 /// requester destroys its QP, then overwrites the buffer: the target's READ must not complete
 /// with the new bytes (on the message path: the target is not allowed the direct one).
@@ -295,7 +307,7 @@ fn run(scenario: &str, target_env: &[(&str, &str)], how: Requester) {
     let requester_env: Vec<(&str, &str)> = target_env
         .iter()
         .copied()
-        .filter(|(k, _)| matches!(*k, "UCX_TLS" | "UGDR_PROGRESS"))
+        .filter(|(k, _)| matches!(*k, "UCX_TLS" | "UGDR_PROGRESS" | "UGDR_TEST_QP_TYPE"))
         .collect();
     let mut requester = spawn(scenario, &requester_env, &how);
     let target_err = stderr_of(&mut target);
@@ -519,7 +531,7 @@ fn target_role() {
     };
     let ro_mr = ro.reg(&dev, LOCAL_WRITE | REMOTE_READ);
     let recv_mr = recv.reg(&dev, LOCAL_WRITE);
-    let mut qp = dev.rc_qp(cq, cq, 64);
+    let mut qp = test_qp(&dev, cq);
     let mut moved: Option<Region> = None;
     // Where "recv-big" and "read-stop" land.
     let mut landing: Option<(Region, *mut ibv_mr)> = None;
@@ -545,7 +557,7 @@ fn target_role() {
             "newqp" => {
                 unsafe { ibv_destroy_qp(qp) };
                 while unsafe { poll_cq(cq, 1, &mut ibv_wc::default()) } > 0 {}
-                qp = dev.rc_qp(cq, cq, 64);
+                qp = test_qp(&dev, cq);
                 out(&format!("qp {}", qp_num(qp)));
             }
             "hash" => {
@@ -646,6 +658,15 @@ fn target_role() {
         }
     }
     let _ = rw_mr;
+}
+
+/// The QP both roles connect: RC, or UC under `UGDR_TEST_QP_TYPE=uc`.
+fn test_qp(dev: &Device, cq: *mut ibv_cq) -> *mut ibv_qp {
+    let qp_type = match std::env::var("UGDR_TEST_QP_TYPE").as_deref() {
+        Ok("uc") => ibv_qp_type::IBV_QPT_UC,
+        _ => ibv_qp_type::IBV_QPT_RC,
+    };
+    dev.qp(cq, cq, 64, qp_type)
 }
 
 /// A zeroed region of `len` bytes registered for local write (what a receive or READ fills).
@@ -777,7 +798,7 @@ impl Link {
         let f = fields(&ready);
         let dev = Device::open();
         let cq = dev.cq(256);
-        let qp = dev.rc_qp(cq, cq, 64);
+        let qp = test_qp(&dev, cq);
         connect(qp, f[0] as u16, f[1] as u32);
         assert_eq!(
             relay.ask(&format!("peer {} {}", dev.lid, qp_num(qp))),
@@ -804,7 +825,7 @@ impl Link {
         let theirs = fields(&relay.ask("newqp"))[0] as u32;
         unsafe { ibv_destroy_qp(self.qp) };
         while unsafe { poll_cq(self.cq, 1, &mut ibv_wc::default()) } > 0 {}
-        self.qp = self.dev.rc_qp(self.cq, self.cq, 64);
+        self.qp = test_qp(&self.dev, self.cq);
         connect(self.qp, self.peer_lid, theirs);
         assert_eq!(
             relay.ask(&format!("peer {} {}", self.dev.lid, qp_num(self.qp))),

@@ -81,7 +81,7 @@ impl QueuePair {
         if let Some(engine) = Engine::running() {
             engine.multicast_send(locked, mgid, &message.header, &data);
         }
-        self.sent(locked, message.seq);
+        self.sent(locked, message.seq, false);
     }
 
     /// A datagram to group `mgid`, which this QP is attached to.

@@ -32,9 +32,9 @@ pub(super) struct SendEntry {
     /// RC messages: the header (without a piggybacked ACK) and payload to retransmit it with
     /// (application memory stays valid until the WR completes, by the verbs contract).
     pub(super) resend: Option<(Header, SendPayload)>,
-    /// Sends of this message UCX has not finished with yet (it holds its buffers, and a
-    /// message still leaving this process cannot have been dropped by the responder, so it is
-    /// not sent again).
+    /// Sends of this message UCX has not finished with yet: it reads the WR's buffers, so the
+    /// WR is not flushed (RC, UC) until it is done, and a message still leaving this process
+    /// cannot have been dropped by the responder, so it is not sent again (RC).
     pub(super) in_ucx: i16,
 }
 

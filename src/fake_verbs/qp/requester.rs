@@ -518,12 +518,12 @@ impl QueuePair {
                     }
                     for &seq in &done_seqs {
                         match &result {
-                            Ok(()) if unreliable => me.sent(locked, seq),
+                            Ok(()) if unreliable => me.sent(locked, seq, true),
                             Ok(()) => me.note_in_ucx(locked, seq, -1),
                             Err(e) => {
                                 tracing::debug!("qp {:#x}: send seq {seq} failed: {e}", me.qp_num);
                                 if unreliable {
-                                    me.sent(locked, seq);
+                                    me.sent(locked, seq, true);
                                 } else {
                                     // UCX is done with it either way; the first failure
                                     // fails the QP and flushes the rest.
@@ -543,13 +543,14 @@ impl QueuePair {
             self.ucx_io_started();
         }
         match result {
-            Ok(_) if copied => seqs.iter().for_each(|&s| self.sent(locked, s)),
-            Ok(SendState::Done) if unreliable => seqs.iter().for_each(|&s| self.sent(locked, s)),
-            // UCX still holds its buffers: not a candidate for retransmission until it is done.
-            Ok(SendState::Pending) if !unreliable => {
-                seqs.iter().for_each(|&s| self.note_in_ucx(locked, s, 1))
+            Ok(_) if copied => seqs.iter().for_each(|&s| self.sent(locked, s, false)),
+            Ok(SendState::Done) if unreliable => {
+                seqs.iter().for_each(|&s| self.sent(locked, s, false))
             }
-            Ok(_) => {}
+            // UCX still holds its buffers: not a candidate for retransmission (RC), nor
+            // flushed (RC, UC), until it is done.
+            Ok(SendState::Pending) => seqs.iter().for_each(|&s| self.note_in_ucx(locked, s, 1)),
+            Ok(SendState::Done) => {}
             Err(e) => {
                 let Some(&seq) = seqs.first() else {
                     return true;
@@ -557,7 +558,7 @@ impl QueuePair {
                 tracing::debug!("qp {:#x}: cannot send seq {seq}: {e}", self.qp_num);
                 if unreliable {
                     // Lost on the way, as an unreliable transport may lose it.
-                    seqs.iter().for_each(|&s| self.sent(locked, s));
+                    seqs.iter().for_each(|&s| self.sent(locked, s, false));
                 } else {
                     self.fail_send(locked, seq, WcStatus::RetryExcErr);
                     return false;
@@ -567,14 +568,15 @@ impl QueuePair {
         true
     }
 
-    /// A UC/UD send left: it completes (in post order) without an acknowledgement.
-    pub(super) fn sent(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32) {
+    /// A UC/UD send left: it completes (in post order) without an acknowledgement. `from_ucx`:
+    /// UCX kept it pending and is done with its buffers now (see `note_in_ucx`).
+    pub(super) fn sent(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32, from_ucx: bool) {
         self.locked_then_send(locked, |q| {
-            if let Some(e) =
-                q.sq.iter_mut()
-                    .find(|e| e.seq == seq && e.outcome.is_none())
-            {
-                e.outcome = Some(WcStatus::Success);
+            if let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq) {
+                if from_ucx {
+                    e.in_ucx -= 1;
+                }
+                e.outcome.get_or_insert(WcStatus::Success);
             }
             self.release_send_completions(q);
         });

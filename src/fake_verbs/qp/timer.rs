@@ -228,7 +228,7 @@ impl QueuePair {
     /// (`release_send_completions`).
     pub(super) fn note_in_ucx(self: &Arc<Self>, locked: &LockedWorker<'_>, seq: u32, d: i16) {
         self.locked_then_send(locked, |q| {
-            let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq && e.resend.is_some()) else {
+            let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq) else {
                 return;
             };
             e.in_ucx += d;
