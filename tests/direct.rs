@@ -47,7 +47,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases: [(&str, fn()); 18] = [
+    let cases: [(&str, fn()); 19] = [
         (
             "writes_and_reads_complete_while_the_target_is_stopped",
             while_stopped,
@@ -95,6 +95,10 @@ fn main() {
         (
             "dereg_mr_returns_only_once_ucx_is_done_with_a_read_answer",
             deregistered_responder,
+        ),
+        (
+            "destroy_qp_does_not_wait_for_a_peer_that_died",
+            destroy_after_peer_died,
         ),
         ("messages_in_order_under_event_progress", || {
             messages_in_order("event")
@@ -218,6 +222,16 @@ fn destroyed_responder() {
         Requester::Privileged,
     );
 }
+/// The target READs and stops, then is killed (and not reaped: a zombie) while the answer
+/// waits for it in UCX: `ibv_destroy_qp` finds the peer dead and returns at once, instead of
+/// waiting the 2 s it gives a live peer.
+fn destroy_after_peer_died() {
+    run(
+        "destroy_after_peer_died",
+        &[("UGDR_DIRECT", "off")],
+        Requester::Privileged,
+    );
+}
 /// As `destroyed_responder`, the requester deregistering the MR the READ reads instead.
 fn deregistered_responder() {
     run(
@@ -327,6 +341,10 @@ fn run(scenario: &str, target_env: &[(&str, &str)], how: Requester) {
             Ok(line) => {
                 if let Some(cmd) = line.strip_prefix("to-target ") {
                     say(&mut to_target, cmd);
+                } else if line == "kill-target" {
+                    // Killed, and left unreaped until the end.
+                    nix::sys::signal::kill(tpid, nix::sys::signal::Signal::SIGKILL).unwrap();
+                    say(&mut to_requester, "P ok");
                 } else if line == "target-stopped" {
                     // The target stops itself (SIGSTOP) after a command.
                     wait_stopped(target.id());
@@ -895,6 +913,7 @@ fn requester_role(scenario: &str) {
             "flushed_send" => scenario_flushed_send(&mut relay, &mut link),
             "destroyed_responder" => scenario_fenced_responder(&mut relay, &mut link, false),
             "deregistered_responder" => scenario_fenced_responder(&mut relay, &mut link, true),
+            "destroy_after_peer_died" => scenario_destroy_after_peer_died(&mut relay, &mut link),
             other => panic!("unknown scenario {other}"),
         }
     }));
@@ -1258,6 +1277,27 @@ fn scenario_fenced_responder(relay: &mut Relay, link: &mut Link, dereg: bool) {
     // carries the bytes of the time the READ was answered.
     let read = landed(relay, 42, ibv_wc_opcode::IBV_WC_RDMA_READ, LEN);
     assert_eq!(read, answered, "the READ's bytes");
+}
+
+fn scenario_destroy_after_peer_died(relay: &mut Relay, link: &mut Link) {
+    const LEN: usize = 1 << 20;
+    let mr = link.local.reg(&link.dev, LOCAL_WRITE | REMOTE_READ);
+    let rkey = unsafe { (*mr).rkey };
+    assert_eq!(
+        relay.ask(&format!("read-stop {} {rkey} {LEN}", link.local.addr())),
+        "posted"
+    );
+    relay.signal("target-stopped");
+    // The answer goes to UCX meanwhile, and waits for the stopped target.
+    std::thread::sleep(Duration::from_millis(100));
+    relay.signal("kill-target");
+    let started = Instant::now();
+    assert_eq!(unsafe { ibv_destroy_qp(link.qp) }, 0);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "ibv_destroy_qp took {took:?} with its peer dead"
+    );
 }
 
 /// The target's successful completion of what "recv-big" or "read-stop" posted; the hash of

@@ -326,7 +326,7 @@ impl Engine {
     }
 
     /// Fails the endpoints (and so the QPs) of local peers whose process is gone.
-    fn check_local_peers(&self, locked: &LockedWorker<'_>) {
+    pub(crate) fn check_local_peers(&self, locked: &LockedWorker<'_>) {
         let dead: Vec<Arc<Endpoint>> = {
             let eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
             eps.values()

@@ -400,10 +400,20 @@ fn parse_entry(text: &str) -> Entry {
 /// Whether process `pid` (on this host) still exists.
 pub fn pid_alive(pid: i32) -> bool {
     match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
-        Ok(()) => true,
+        // A zombie (dead, its parent has not reaped it yet) answers too, but touches nothing.
+        Ok(()) => !zombie(pid),
         Err(nix::errno::Errno::ESRCH) => false,
-        Err(_) => true, // EPERM: exists, owned by someone else
+        Err(_) => !zombie(pid), // EPERM: exists, owned by someone else
     }
+}
+
+/// Whether `/proc` shows `pid` as a zombie (unknown: no).
+fn zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command name, which is in parentheses and may hold any byte.
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
 }
 
 #[cfg(test)]

@@ -54,6 +54,8 @@ use std::time::{Duration, Instant};
 /// the peer is alive but does not take (or drop) what is in flight: a peer stopped in a
 /// debugger, or one that does not progress. Past it the destroy goes on (see `destroy`).
 const UCX_IO_FENCE_MAX: Duration = Duration::from_secs(2);
+/// How often that wait looks whether a peer on this host died.
+const PEER_CHECK_EVERY: Duration = Duration::from_millis(20);
 
 pub struct QueuePair {
     pub qp_num: u32,
@@ -275,14 +277,24 @@ impl QueuePair {
     }
 
     /// Progresses the worker until UCX is done with this QP's application memory, the peer
-    /// is found dead, or [`UCX_IO_FENCE_MAX`] passed.
+    /// is found dead, or [`UCX_IO_FENCE_MAX`] passed. A peer on this host that died leaves
+    /// its transfers pending in UCX for good; the progress thread, which would notice, waits
+    /// for the worker this holds, so this looks itself now and then.
     fn wait_for_ucx_io(&self, locked: &LockedWorker<'_>, peer: Option<&Endpoint>) {
         let deadline = Instant::now() + UCX_IO_FENCE_MAX;
+        let mut next_peer_check = Instant::now();
         while self.ucx_io.load(Ordering::Acquire) > 0 {
+            let now = Instant::now();
+            if now >= next_peer_check {
+                next_peer_check = now + PEER_CHECK_EVERY;
+                if let Some(engine) = crate::engine::Engine::running() {
+                    engine.check_local_peers(locked);
+                }
+            }
             if peer.is_some_and(Endpoint::failed) {
                 return;
             }
-            if Instant::now() >= deadline {
+            if now >= deadline {
                 tracing::warn!(
                     "qp {:#x}: destroyed while its peer still had {} transfer(s) of its memory \
                      in flight",
