@@ -34,6 +34,8 @@ unsafe extern "C" {
     fn rdma_accept(id: *mut rdma_cm_id, param: *mut rdma_conn_param) -> c_int;
     fn rdma_reject(id: *mut rdma_cm_id, data: *const c_void, len: u8) -> c_int;
     fn rdma_disconnect(id: *mut rdma_cm_id) -> c_int;
+    fn rdma_migrate_id(id: *mut rdma_cm_id, ch: *mut rdma_event_channel) -> c_int;
+    fn rdma_establish(id: *mut rdma_cm_id) -> c_int;
     fn rdma_get_cm_event(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int;
     fn rdma_ack_cm_event(ev: *mut rdma_cm_event) -> c_int;
     fn rdma_create_qp(id: *mut rdma_cm_id, pd: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> c_int;
@@ -85,14 +87,7 @@ fn sockaddr_of(addr: std::net::SocketAddr) -> libc::sockaddr_storage {
 
 /// The next event of `ch` within 10 s (the fd is polled, so a missing event fails, not hangs).
 fn next_event(ch: *mut rdma_event_channel) -> Event {
-    let fd = unsafe { (*ch).fd };
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let n = unsafe { libc::poll(&mut pfd, 1, 10_000) };
-    assert_eq!(n, 1, "no CM event within 10 s");
+    assert!(readable_within(ch, 10_000), "no CM event within 10 s");
     let mut ev = null_mut();
     assert_eq!(
         unsafe { rdma_get_cm_event(ch, &mut ev) },
@@ -299,6 +294,69 @@ fn a_reject_carries_private_data_back_to_the_requester() {
     assert_eq!(rej.status, 28, "IB_CM_REJ_CONSUMER_DEFINED");
     assert_eq!(rej.private_data.len(), 148, "a REJ's private data field");
     assert_eq!(&rej.private_data[..4], b"nope");
+    for i in [req.id, id, listener] {
+        assert_eq!(unsafe { rdma_destroy_id(i) }, 0);
+    }
+}
+
+/// Whether `ch` has an event queued within `ms` (not taken).
+fn readable_within(ch: *mut rdma_event_channel, ms: c_int) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: unsafe { (*ch).fd },
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
+}
+
+/// `rdma_migrate_id` moves the events already queued for the id to the new channel (the man
+/// page; the kernel's ucma does): a listener's pending connection request (with the id it
+/// created), and a connected id's DISCONNECTED. cmatose -m migrates right after its last
+/// sends, when the peer's disconnect may have arrived already: that event stayed on the old
+/// channel, which cmatose then destroys, and it waited for it for good.
+#[test]
+fn rdma_migrate_id_moves_the_events_already_queued() {
+    let server = Cm::new();
+    let client = Cm::new();
+    let (listener, port) = server.listener(4);
+    let id = client.resolved(port);
+    let mut p = conn_param(&[]);
+    p.qp_num = 0x1234;
+    assert_eq!(unsafe { rdma_connect(id, &mut p) }, 0);
+    assert!(readable_within(server.ch, 10_000), "the request is queued");
+    let second = Cm::new();
+    assert_eq!(unsafe { rdma_migrate_id(listener, second.ch) }, 0);
+    assert!(
+        !readable_within(server.ch, 100),
+        "the request left the old channel"
+    );
+    let req = expect(second.ch, K::RDMA_CM_EVENT_CONNECT_REQUEST);
+    assert_eq!(req.listen_id, listener);
+    assert_eq!(unsafe { (*listener).channel }, second.ch);
+    assert_eq!(
+        unsafe { (*req.id).channel },
+        second.ch,
+        "the requested id reports on the channel its request came on"
+    );
+
+    let mut p = conn_param(&[]);
+    p.qp_num = 0x5678;
+    assert_eq!(unsafe { rdma_accept(req.id, &mut p) }, 0);
+    // Without a QP the active side finishes the handshake itself.
+    expect(client.ch, K::RDMA_CM_EVENT_CONNECT_RESPONSE);
+    assert_eq!(unsafe { rdma_establish(id) }, 0);
+    expect(second.ch, K::RDMA_CM_EVENT_ESTABLISHED);
+    assert_eq!(unsafe { rdma_disconnect(id) }, 0);
+    expect(client.ch, K::RDMA_CM_EVENT_DISCONNECTED);
+    assert!(readable_within(second.ch, 10_000), "DISCONNECTED is queued");
+    let third = Cm::new();
+    assert_eq!(unsafe { rdma_migrate_id(req.id, third.ch) }, 0);
+    assert!(
+        !readable_within(second.ch, 100),
+        "DISCONNECTED left the old channel"
+    );
+    let gone = expect(third.ch, K::RDMA_CM_EVENT_DISCONNECTED);
+    assert_eq!(gone.id, req.id);
     for i in [req.id, id, listener] {
         assert_eq!(unsafe { rdma_destroy_id(i) }, 0);
     }

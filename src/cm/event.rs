@@ -139,6 +139,19 @@ impl EventChannel {
         self.queue.discard(|e| std::ptr::eq(Arc::as_ptr(&e.id), me));
     }
 
+    /// Takes the queued events that belong to `id`, in order: its own, and for a listener the
+    /// connection requests that came to it (`rdma_migrate_id` moves them, as the kernel's
+    /// ucma does).
+    pub(super) fn take_events_of(&self, id: &CmId) -> Vec<CmEvent> {
+        let me: *const CmId = id;
+        self.queue.take(|e| {
+            std::ptr::eq(Arc::as_ptr(&e.id), me)
+                || e.listen_id
+                    .as_ref()
+                    .is_some_and(|l| std::ptr::eq(Arc::as_ptr(l), me))
+        })
+    }
+
     /// The next event: blocks while none is queued, unless the application made the fd
     /// non-blocking (then WouldBlock). Events of ids destroyed meanwhile are dropped.
     pub fn next(&self) -> Result<CmEvent, CmError> {
@@ -199,13 +212,22 @@ impl CmId {
         if self.is_destroyed() {
             return;
         }
-        self.channel().push(CmEvent {
+        self.push_on_channel(CmEvent {
             id: Arc::clone(self),
             listen_id: None,
             kind,
             status,
             param,
         });
+    }
+
+    /// Queues `event` on this id's channel, under the id's channel lock, so that an
+    /// `rdma_migrate_id` either finds it queued and moves it or sends it to the new channel.
+    pub(super) fn push_on_channel(&self, event: CmEvent) {
+        self.channel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(event);
     }
 
     /// An event of this id reached the application.

@@ -244,9 +244,30 @@ impl CmId {
         }
     }
 
-    /// `rdma_migrate_id`: later events go to `channel`.
+    /// `rdma_migrate_id`: the events queued for this id on its channel move to `channel`, in
+    /// order, and later events go there (librdmacm's man page; the kernel's ucma moves them).
+    /// A listener's queued connection requests move too, with the ids they created (their
+    /// events come on the channel the request was reported on).
     pub fn migrate(&self, channel: Arc<EventChannel>) {
-        *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel;
+        let mut current = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        if !Arc::ptr_eq(&current, &channel) {
+            for event in current.take_events_of(self) {
+                if event.listen_id.is_some() && !std::ptr::eq(Arc::as_ptr(&event.id), self) {
+                    event.id.follow_to(&current, &channel);
+                }
+                channel.push(event);
+            }
+        }
+        *current = channel;
+    }
+
+    /// A requested id not yet taken by the application whose listener migrated: it moves from
+    /// `old` to `new` as well (unless it has a channel of its own, a synchronous one).
+    fn follow_to(&self, old: &Arc<EventChannel>, new: &Arc<EventChannel>) {
+        let mut mine = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        if Arc::ptr_eq(&mine, old) {
+            *mine = Arc::clone(new);
+        }
     }
 
     /// The C object standing for this id (set by the C layer; 0 until then).

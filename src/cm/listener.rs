@@ -96,7 +96,7 @@ fn serve_request(listen_id: Arc<CmId>, stream: TcpStream) {
     };
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_nodelay(true);
-    let (channel, full) = {
+    let full = {
         let mut s = listen_id.state();
         if s.phase != Phase::Listening || listen_id.is_destroyed() {
             return;
@@ -105,7 +105,7 @@ fn serve_request(listen_id: Arc<CmId>, stream: TcpStream) {
         if !full {
             s.pending_requests += 1;
         }
-        (listen_id.channel(), full)
+        full
     };
     if full {
         let _ = send_message(
@@ -117,6 +117,9 @@ fn serve_request(listen_id: Arc<CmId>, stream: TcpStream) {
         );
         return;
     }
+    // The listener's channel stays put until the request is queued on it (an
+    // `rdma_migrate_id` of the listener moves both).
+    let channel = listen_id.channel.lock().unwrap_or_else(|p| p.into_inner());
     // A synchronous listener's requests become synchronous ids, each with its own channel.
     let child_channel = if channel.is_sync() {
         match EventChannel::new(true) {
@@ -144,10 +147,11 @@ fn serve_request(listen_id: Arc<CmId>, stream: TcpStream) {
     let param = ConnParam::from_peer(&endpoint, &private_data, listen_id.request_private_len());
     channel.push(CmEvent {
         id: Arc::clone(&child),
-        listen_id: Some(listen_id),
+        listen_id: Some(Arc::clone(&listen_id)),
         kind: EventKind::ConnectRequest,
         status: 0,
         param,
     });
+    drop(channel);
     serve_link(child, link);
 }

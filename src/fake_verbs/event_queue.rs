@@ -111,10 +111,16 @@ impl<T> EventQueue<T> {
     /// taken its event yet) cannot be taken back: that waiter finds one event fewer and waits
     /// for the next byte.
     pub fn discard(&self, pred: impl Fn(&T) -> bool) {
+        drop(self.take(pred));
+    }
+
+    /// Takes the queued events `pred` selects out of the queue, in their order, with as many of
+    /// the fd's bytes (as `discard`).
+    pub fn take(&self, pred: impl Fn(&T) -> bool) -> Vec<T> {
         let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let before = q.len();
-        q.retain(|e| !pred(e));
-        let mut dropped = before - q.len();
+        let (taken, kept): (VecDeque<T>, VecDeque<T>) = q.drain(..).partition(|e| pred(e));
+        *q = kept;
+        let mut dropped = taken.len();
         let mut bytes = [0u8; 64];
         while dropped > 0 {
             let want = dropped.min(bytes.len());
@@ -129,5 +135,6 @@ impl<T> EventQueue<T> {
                 Err(_) => break,
             }
         }
+        taken.into()
     }
 }
