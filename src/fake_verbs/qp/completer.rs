@@ -84,10 +84,12 @@ impl QueuePair {
     /// initiator hands a flushed command's buffer to the next qpair). One that succeeded was
     /// delivered whole, so what UCX still carries is a duplicate the responder drops.
     pub(super) fn release_send_completions(&self, q: &mut Queues) {
-        let peer_dead = q.peer.as_ref().is_none_or(|p| p.endpoint.failed());
         while let Some(head) = q.sq.front() {
             let Some(status) = head.outcome else { break };
-            if status != WcStatus::Success && head.in_ucx > 0 && !peer_dead {
+            if status != WcStatus::Success
+                && head.in_ucx > 0
+                && q.peer.as_ref().is_some_and(|p| !p.endpoint.failed())
+            {
                 break;
             }
             let e = q.sq.pop_front().expect("head exists");
