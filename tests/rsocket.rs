@@ -8,6 +8,8 @@
 mod harness;
 
 use harness::*;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command};
 use std::time::Duration;
 
 fn stdout(o: &std::process::Output) -> String {
@@ -57,18 +59,23 @@ fn rstream_verified_nonblocking_by_default() {
 /// `args`: latency and bandwidth runs from 64 B (100,000 transfers) to 1 MiB, every row
 /// reported by the client.
 fn default_test_set(program: &str, args: &[&str]) {
+    default_test_set_on(program, args, None, Duration::from_secs(120));
+}
+
+/// [`default_test_set`] with both sides confined to `cpus`, for at most `limit`.
+fn default_test_set_on(program: &str, args: &[&str], cpus: Option<&[usize]>, limit: Duration) {
     let port = free_port();
     let p = port.to_string();
     let mut s = vec!["-p", p.as_str()];
     s.extend_from_slice(args);
     let mut c = vec!["-s", "127.0.0.1"];
     c.extend_from_slice(&s);
-    let (so, co) = run_pingpong(
-        preloaded(program, &s),
-        preloaded(program, &c),
-        port,
-        Duration::from_secs(120),
-    );
+    let (mut server, mut client) = (preloaded(program, &s), preloaded(program, &c));
+    if let Some(cpus) = cpus {
+        pin(&mut server, cpus);
+        pin(&mut client, cpus);
+    }
+    let (so, co) = run_pingpong(server, client, port, limit);
     assert_success(&so, &format!("{program} server {args:?}"));
     assert_success(&co, &format!("{program} client {args:?}"));
     let out = stdout(&co);
@@ -93,6 +100,65 @@ fn default_test_set(program: &str, args: &[&str]) {
 #[test]
 fn rstream_default_test_set() {
     default_test_set("rstream", &[]);
+}
+
+/// Runs `cmd` on `cpus` only.
+fn pin(cmd: &mut Command, cpus: &[usize]) {
+    let mut set = nix::sched::CpuSet::new();
+    for &c in cpus {
+        set.set(c).expect("cpu number");
+    }
+    // SAFETY: sched_setaffinity is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+                .map_err(std::io::Error::from)
+        });
+    }
+}
+
+/// Busy loops (shell `while :`), one per CPU of `cpus`, pinned there; killed when dropped.
+struct BusyCpus(Vec<Child>);
+
+impl BusyCpus {
+    fn on(cpus: &[usize]) -> BusyCpus {
+        BusyCpus(
+            cpus.iter()
+                .map(|&c| {
+                    let mut cmd = Command::new("sh");
+                    cmd.args(["-c", "while :; do :; done"]);
+                    pin(&mut cmd, &[c]);
+                    cmd.spawn().expect("sh")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for BusyCpus {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// rstream's default set (non-blocking sockets: both sides spin on EAGAIN) on two CPUs that
+/// also run a busy loop each, as a CI runner with other jobs does. A spin that waited for the
+/// engine's progress thread, and yielded the CPU on every EAGAIN, took past 2 minutes there
+/// (Linux's EEVDF scheduler pushes a yielding thread's deadline back a slice per yield);
+/// calls that progress the worker themselves and pause by a short sleep take seconds.
+#[test]
+fn rstream_default_test_set_beside_busy_cpus() {
+    let cpus = [0, 1];
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if online < 2 {
+        eprintln!("skipped: needs 2 CPUs, {online} available");
+        return;
+    }
+    let _busy = BusyCpus::on(&cpus);
+    default_test_set_on("rstream", &[], Some(&cpus), Duration::from_secs(60));
 }
 
 /// Blocking sockets (`-T b`, MSG_WAITALL): a send that has sent part of its bytes goes on

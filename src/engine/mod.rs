@@ -367,7 +367,15 @@ impl Engine {
     /// several times in a row, the ACKs owed to peers go out on their own (until then they
     /// ride on the application's next sends).
     pub fn progress_from_app(&self) {
-        self.activity.progress_from_app(self);
+        self.activity.progress_from_app(self, true);
+    }
+
+    /// As [`Engine::progress_from_app`], without counting as the application's poll, so that
+    /// the progress thread does not step aside: for rsocket calls, which poll once before they
+    /// block on a channel the progress thread must keep serving, or spin (non-blocking
+    /// sockets) on cores where this thread and the progress thread take turns delivering.
+    pub fn progress_beside_app(&self) {
+        self.activity.progress_from_app(self, false);
     }
 
     /// The application posted work (an answer is expected soon: the adaptive progress thread

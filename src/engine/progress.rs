@@ -148,9 +148,13 @@ impl Activity {
     }
 
     /// One `ibv_poll_cq` progress call: progresses if the worker is free, and flushes owed
-    /// ACKs once the application has found nothing several times in a row.
-    pub(super) fn progress_from_app(&self, engine: &Engine) {
-        bump(&self.app_polls);
+    /// ACKs once the application has found nothing several times in a row. `counted`: it
+    /// counts as the application's poll (the progress thread steps aside while they come
+    /// fast).
+    pub(super) fn progress_from_app(&self, engine: &Engine, counted: bool) {
+        if counted {
+            bump(&self.app_polls);
+        }
         if let Some(locked) = engine.worker.try_lock() {
             if locked.progress() > 0 {
                 self.idle_app_polls.store(0, Ordering::Relaxed);

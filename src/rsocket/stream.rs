@@ -204,8 +204,9 @@ impl Stream {
         while let Ok(Some(ev)) = self.channel.try_next() {
             self.on_event(st, ev);
         }
+        let spinning = st.nonblocking;
         if let Some(c) = st.conn.as_mut() {
-            c.progress();
+            c.progress(spinning);
         }
         flush_map_notices(st);
     }

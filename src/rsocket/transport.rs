@@ -351,24 +351,44 @@ impl Conn {
     }
 
     /// Takes what arrived: completions (data, control messages, freed send slots, errors).
-    pub fn progress(&mut self) {
+    /// When nothing has, the engine's worker is progressed from this thread (if no other
+    /// thread is at it) and the CQ looked at again, as `ibv_poll_cq` on an empty CQ does: an
+    /// application that spins on a non-blocking socket (rstream's default) then moves its
+    /// own messages instead of waiting for the progress thread to get a core beside it (on 2
+    /// cores busy with other work that took rstream's default set past 2 minutes). Only such
+    /// a `spinning` caller counts as polling (the progress thread steps aside while polls
+    /// come fast); one that goes on to block needs the progress thread to serve it.
+    pub fn progress(&mut self, spinning: bool) {
         while let Ok(Some(_)) = self.comp.events.try_wait() {}
-        loop {
-            let mut batch: Vec<WorkCompletion> = Vec::new();
-            // The engine's progress thread delivers; this thread does not progress the
-            // worker itself (the progress thread would step aside for it, and a thread
-            // that then blocks on the CQ's channel would wait for nobody).
-            let n = self.cq.poll(64, |wc| batch.push(*wc));
-            for wc in &batch {
-                self.complete(wc);
+        if self.take_completions() == 0
+            && let Some(engine) = Engine::running()
+        {
+            if spinning {
+                engine.progress_from_app();
+            } else {
+                engine.progress_beside_app();
             }
-            if n < 64 {
-                break;
-            }
+            self.take_completions();
         }
         // A credit write skipped for a full send queue goes now.
         if self.reposted - self.written >= u64::from((self.rq / 4).max(1)) {
             self.write_credits();
+        }
+    }
+
+    /// Handles the completions the CQ holds; how many there were.
+    fn take_completions(&mut self) -> usize {
+        let mut taken = 0;
+        loop {
+            let mut batch: Vec<WorkCompletion> = Vec::new();
+            let n = self.cq.poll(64, |wc| batch.push(*wc));
+            for wc in &batch {
+                self.complete(wc);
+            }
+            taken += batch.len();
+            if n < 64 {
+                return taken;
+            }
         }
     }
 
