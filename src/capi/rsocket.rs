@@ -59,7 +59,7 @@ const AGAIN_BEFORE_PAUSE: u32 = 64;
 /// [`AGAIN_BEFORE_PAUSE`] failures in a row it sleeps for a moment. A sleep, not
 /// `sched_yield`: under Linux's EEVDF scheduler each yield pushes the thread's deadline a
 /// whole slice further, so a thread that yields on every EAGAIN starves beside busy threads
-/// (rstream's default set on 2 cores beside 2 busy loops: past 2 minutes, 6 s now).
+/// (rstream's default set on 2 cores beside 2 busy loops: past 2 minutes; seconds now).
 fn spin_pause() {
     let streak = AGAIN_STREAK.with(|c| {
         let n = c.get().wrapping_add(1);

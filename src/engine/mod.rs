@@ -371,9 +371,8 @@ impl Engine {
     }
 
     /// As [`Engine::progress_from_app`], without counting as the application's poll, so that
-    /// the progress thread does not step aside: for rsocket calls, which poll once before they
-    /// block on a channel the progress thread must keep serving, or spin (non-blocking
-    /// sockets) on cores where this thread and the progress thread take turns delivering.
+    /// the progress thread does not step aside: for a blocking rsocket call, which polls once
+    /// before it waits on a channel that the progress thread must keep serving.
     pub fn progress_beside_app(&self) {
         self.activity.progress_from_app(self, false);
     }

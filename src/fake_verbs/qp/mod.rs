@@ -232,8 +232,8 @@ impl QueuePair {
         self.queues().peer.as_ref().map(|p| Arc::clone(&p.endpoint))
     }
 
-    /// `ibv_destroy_qp`: releases kept messages and detaches from PD and CQs. No completions.
-    /// Destroys the QP. Once it returns, nothing reads or writes the application's buffers on
+    /// `ibv_destroy_qp`: releases kept messages and detaches from PD and CQs (no
+    /// completions). Once it returns, nothing reads or writes the application's buffers on
     /// its behalf any more, as a HCA stops DMA for a QP before `ibv_destroy_qp` returns:
     /// UCX operations still moving bytes of this QP's WRs or READ responses (the peer pulling
     /// a rendezvous message) are progressed to their end first. Those to a peer found dead end
@@ -349,9 +349,15 @@ impl MessageReceiver for QueuePair {
     }
 
     fn peer_failed(self: Arc<Self>, locked: &LockedWorker<'_>) {
-        // UC and UD senders are not told: an unacknowledged transport cannot know.
-        if self.qp_type.reliable() && self.peer_endpoint().is_some_and(|ep| ep.failed()) {
+        if !self.peer_endpoint().is_some_and(|ep| ep.failed()) {
+            return;
+        }
+        if self.qp_type.reliable() {
             self.fail(locked, WcStatus::RetryExcErr);
+        } else {
+            // UC and UD senders are not told (an unacknowledged transport cannot know), but
+            // flushed sends held while UCX carried their buffers to that peer complete.
+            self.locked_then_send(locked, |q| self.release_send_completions(q));
         }
     }
 
