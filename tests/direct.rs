@@ -216,29 +216,22 @@ fn flushed_uc_send() {
 /// requester destroys its QP, then overwrites the buffer: the target's READ must not complete
 /// with the new bytes (on the message path: the target is not allowed the direct one).
 fn destroyed_responder() {
-    run(
-        "destroyed_responder",
-        &[("UGDR_DIRECT", "off")],
-        Requester::Privileged,
-    );
+    run_on_messages("destroyed_responder");
 }
 /// The target READs and stops, then is killed (and not reaped: a zombie) while the answer
 /// waits for it in UCX: `ibv_destroy_qp` finds the peer dead and returns at once, instead of
 /// waiting the 2 s it gives a live peer.
 fn destroy_after_peer_died() {
-    run(
-        "destroy_after_peer_died",
-        &[("UGDR_DIRECT", "off")],
-        Requester::Privileged,
-    );
+    run_on_messages("destroy_after_peer_died");
 }
 /// As `destroyed_responder`, the requester deregistering the MR the READ reads instead.
 fn deregistered_responder() {
-    run(
-        "deregistered_responder",
-        &[("UGDR_DIRECT", "off")],
-        Requester::Privileged,
-    );
+    run_on_messages("deregistered_responder");
+}
+/// `scenario` with the target kept off the direct path (its READs go as messages, which the
+/// requester's responder answers).
+fn run_on_messages(scenario: &str) {
+    run(scenario, &[("UGDR_DIRECT", "off")], Requester::Privileged);
 }
 fn not_permitted() {
     // A non-dumpable target (as a setuid or execute-only program is) may only be opened by a

@@ -352,13 +352,12 @@ impl MessageReceiver for QueuePair {
         if !self.peer_endpoint().is_some_and(|ep| ep.failed()) {
             return;
         }
+        // UC and UD senders are not told: an unacknowledged transport cannot know.
         if self.qp_type.reliable() {
             self.fail(locked, WcStatus::RetryExcErr);
-        } else {
-            // UC and UD senders are not told (an unacknowledged transport cannot know), but
-            // flushed sends held while UCX carried their buffers to that peer complete.
-            self.locked_then_send(locked, |q| self.release_send_completions(q));
         }
+        // Sends flushed before, held while UCX carried their buffers to that peer, complete.
+        self.locked_then_send(locked, |q| self.release_send_completions(q));
     }
 
     fn tick(self: Arc<Self>, locked: &LockedWorker<'_>, now: std::time::Instant) -> bool {

@@ -193,15 +193,8 @@ impl QueuePair {
     /// an error not caused by one work request, so IBV_EVENT_QP_FATAL as well.
     pub fn fail(self: &Arc<Self>, locked: &LockedWorker<'_>, status: WcStatus) {
         self.locked_then_send(locked, |q| {
-            match q.state {
-                QpState::Reset => return,
-                QpState::Err => {
-                    // Flushed already: WRs held back while UCX carried their buffers to the
-                    // peer, which is gone now, complete.
-                    self.release_send_completions(q);
-                    return;
-                }
-                _ => {}
+            if q.state == QpState::Err || q.state == QpState::Reset {
+                return;
             }
             self.raise(EVENT_QP_FATAL);
             if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none() && !e.pulling) {
