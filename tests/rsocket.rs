@@ -161,6 +161,43 @@ fn rstream_default_test_set_beside_busy_cpus() {
     default_test_set_on("rstream", &[], Some(&cpus), Duration::from_secs(60));
 }
 
+/// Blocking sockets beside busy CPUs: the application sleeps in the kernel while the engine's
+/// progress thread delivers, and that thread polled between yields for a while after every
+/// message. Beside a busy loop, under Linux's EEVDF scheduler (each yield pushes the
+/// yielding thread's deadline a slice further), it got ever less of the CPU: 20,000 4 KiB
+/// ping-pongs took ~19 s, against ~0.4 s on idle CPUs. A yield that comes back a slice late,
+/// with the application not polling meanwhile, now sends the thread to sleep on the worker's
+/// event fd for a while (woken by the next message, it gets the CPU in time): ~2 s.
+#[test]
+fn rstream_blocking_beside_busy_cpus() {
+    let cpus = [0, 1];
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if online < 2 {
+        eprintln!("skipped: needs 2 CPUs, {online} available");
+        return;
+    }
+    let _busy = BusyCpus::on(&cpus);
+    let port = free_port();
+    let p = port.to_string();
+    let s = ["-p", p.as_str(), "-T", "b", "-S", "4096", "-C", "20000"];
+    let mut c = vec!["-s", "127.0.0.1"];
+    c.extend_from_slice(&s);
+    let (mut server, mut client) = (preloaded("rstream", &s), preloaded("rstream", &c));
+    pin(&mut server, &cpus);
+    pin(&mut client, &cpus);
+    let (so, co) = run_pingpong(server, client, port, Duration::from_secs(10));
+    assert_success(&so, "rstream server -T b -S 4096 -C 20000");
+    assert_success(&co, "rstream client -T b -S 4096 -C 20000");
+    let out = stdout(&co);
+    assert!(
+        out.lines().any(|l| l
+            .split_whitespace()
+            .take(4)
+            .eq(["custom", "4k", "20k", "1"])),
+        "no custom row:\n{out}"
+    );
+}
+
 /// Blocking sockets (`-T b`, MSG_WAITALL): a send that has sent part of its bytes goes on
 /// until the peer's credits let it send the rest. It once decided what to wait on after
 /// credits had come in and, seeing room, waited for nothing (no completion comes for a

@@ -11,7 +11,8 @@
 //!   application polling) keep progressing without sleeping for [`DEFAULT_SPIN`], yielding
 //!   the CPU between passes; then arm and sleep. Back-to-back traffic never waits for a
 //!   wake-up; an idle process sleeps after one window; an application that waits for
-//!   completion events gets a thread that sleeps as in `event` ([`EVENT_WAIT_WINDOW`]).
+//!   completion events gets a thread that sleeps as in `event` ([`EVENT_WAIT_WINDOW`]), and
+//!   so does a CPU that other threads keep busy ([`CONTENDED_YIELD`]).
 //! * `busy`: never sleeps (one core per process, always).
 //!
 //! In every mode the progress thread steps aside while the application busy-polls its CQs
@@ -237,16 +238,34 @@ impl PollWindow {
     }
 }
 
+/// A yield that gave the CPU away for longer than this found it contended: other threads
+/// wanted it (a few µs is the cost of the call itself).
+const CONTENDED_YIELD: Duration = Duration::from_micros(1000);
+
+/// How long the adaptive progress thread does not spin (it waits as in `event` mode) once a
+/// yield found the CPU contended.
+const CONTENDED_BACKOFF: Duration = Duration::from_millis(20);
+
 /// Gives the CPU (adaptive) or only the worker lock (busy) a moment before the next pass.
-fn pause(mode: ProgressMode) {
+/// Adaptive: when the CPU turned out to be contended (the yield came back late), until when
+/// not to spin.
+fn pause(mode: ProgressMode, activity: &Activity) -> Option<Instant> {
     if mode == ProgressMode::Busy {
         for _ in 0..64 {
             std::hint::spin_loop();
         }
+        None
     } else {
         // Let the application's threads go first: on a machine with few cores they need the
         // CPU this thread takes.
+        let start = Instant::now();
+        let polls = activity.seen().polls;
         std::thread::yield_now();
+        // Late, and not because the application polled meanwhile (when it busy-polls the
+        // thread steps aside anyway, and sleeping on the event fd would make every peer
+        // signal it): other threads want this CPU.
+        (start.elapsed() > CONTENDED_YIELD && activity.seen().polls == polls)
+            .then(|| Instant::now() + CONTENDED_BACKOFF)
     }
 }
 
@@ -276,6 +295,11 @@ pub(super) fn run(
     let mut app_quiet_since = Instant::now();
     // Whether this thread polls without sleeping now.
     let mut spinning = false;
+    // Until when this thread does not spin: a yield found the CPU contended (other threads,
+    // another process's, want it). A thread that keeps yielding on a busy CPU starves under
+    // Linux's EEVDF scheduler (every yield pushes its deadline a slice further), and the
+    // application waiting for it with it; one that sleeps on the event fd is woken in time.
+    let mut calm_after: Option<Instant> = None;
     let mut next_tick = Instant::now();
     while !stopping.load(Ordering::Acquire) {
         // Transport timers run whether the application sleeps, polls or spins, and no ACK
@@ -310,17 +334,21 @@ pub(super) fn run(
             seen = now;
             app_quiet_since = Instant::now();
         }
+        if calm_after.is_some_and(|t| Instant::now() >= t) {
+            calm_after = None;
+        }
         spinning = spinning
+            && calm_after.is_none()
             && (mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin));
         let locked = if spinning {
             if app_quiet_since.elapsed() < APP_QUIET {
-                pause(mode);
+                calm_after = pause(mode, activity).or(calm_after);
                 continue;
             }
             match worker.try_lock() {
                 Some(l) => l,
                 None => {
-                    pause(mode);
+                    calm_after = pause(mode, activity).or(calm_after);
                     continue;
                 }
             }
@@ -350,7 +378,9 @@ pub(super) fn run(
             last_activity = Some(Instant::now());
         }
         spinning = mode == ProgressMode::Busy
-            || (last_activity.is_some_and(|t| t.elapsed() < spin) && !activity.waits_for_events());
+            || (last_activity.is_some_and(|t| t.elapsed() < spin)
+                && !activity.waits_for_events()
+                && calm_after.is_none());
         // The ACKs owed go alone now unless the application is polling and this thread will
         // look again soon: then they ride on the application's answer, or go when its polls
         // find nothing (Activity::progress_from_app). Never left behind before sleeping.
@@ -366,7 +396,7 @@ pub(super) fn run(
         }
         if spinning {
             drop(locked);
-            pause(mode);
+            calm_after = pause(mode, activity).or(calm_after);
             continue;
         }
         last_activity = None;
