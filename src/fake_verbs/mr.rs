@@ -587,17 +587,19 @@ struct CachedKey {
 }
 
 impl KeyCache {
-    fn by_lkey(&mut self, lkey: u32) -> Option<CachedKey> {
+    /// What the checks read of the MR `lkey` names, without a copy when it is the cached one.
+    fn by_lkey(&mut self, lkey: u32) -> Option<&CachedKey> {
         let changes = LKEY_CHANGES.load(Ordering::SeqCst);
-        if changes == self.changes
-            && let Some(k) = self.last
-            && k.lkey == lkey
-        {
-            return Some(k);
+        if changes != self.changes || self.last.as_ref().is_none_or(|k| k.lkey != lkey) {
+            self.look_up(lkey, changes);
         }
-        self.last = None;
+        self.last.as_ref()
+    }
+
+    #[cold]
+    fn look_up(&mut self, lkey: u32, changes: u64) {
         self.changes = changes;
-        let found = BY_LKEY.get(&lkey).map(|r| {
+        self.last = BY_LKEY.get(&lkey).map(|r| {
             let mr = r.value();
             CachedKey {
                 lkey,
@@ -606,9 +608,7 @@ impl KeyCache {
                 iova: mr.iova,
                 region: mr.region.extent(),
             }
-        })?;
-        self.last = Some(found);
-        Some(found)
+        });
     }
 }
 

@@ -156,13 +156,11 @@ impl QueuePair {
         let (status, nak) = if (len + reserve) as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
         } else {
-            let mut keys = std::mem::take(&mut q.recv_keys);
             let spans = if self.xrc_target.is_none() {
-                local_spans_cached(&self.pd, &wr.sges, true, &mut keys)
+                local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
             } else {
-                local_spans_cached(&self.receive_pd(h), &wr.sges, true, &mut keys)
+                local_spans_cached(&self.receive_pd(h), &wr.sges, true, &mut q.recv_keys)
             };
-            q.recv_keys = keys;
             match spans {
                 Some(spans) => return Some(spans),
                 None => (WcStatus::LocProtErr, Nak::RemoteOperational),
