@@ -151,14 +151,22 @@ impl Drop for BusyCpus {
 /// calls that progress the worker themselves and pause by a short sleep take seconds.
 #[test]
 fn rstream_default_test_set_beside_busy_cpus() {
+    let Some((cpus, _busy)) = busy_cpus() else {
+        return;
+    };
+    default_test_set_on("rstream", &[], Some(&cpus), Duration::from_secs(60));
+}
+
+/// CPUs 0 and 1, each running a busy loop while the returned guard lives; None (and said
+/// so) on a host with fewer CPUs.
+fn busy_cpus() -> Option<([usize; 2], BusyCpus)> {
     let cpus = [0, 1];
     let online = std::thread::available_parallelism().map_or(1, |n| n.get());
     if online < 2 {
         eprintln!("skipped: needs 2 CPUs, {online} available");
-        return;
+        return None;
     }
-    let _busy = BusyCpus::on(&cpus);
-    default_test_set_on("rstream", &[], Some(&cpus), Duration::from_secs(60));
+    Some((cpus, BusyCpus::on(&cpus)))
 }
 
 /// Blocking sockets beside busy CPUs: the application sleeps in the kernel while the engine's
@@ -170,13 +178,9 @@ fn rstream_default_test_set_beside_busy_cpus() {
 /// event fd for a while (woken by the next message, it gets the CPU in time): ~2 s.
 #[test]
 fn rstream_blocking_beside_busy_cpus() {
-    let cpus = [0, 1];
-    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if online < 2 {
-        eprintln!("skipped: needs 2 CPUs, {online} available");
+    let Some((cpus, _busy)) = busy_cpus() else {
         return;
-    }
-    let _busy = BusyCpus::on(&cpus);
+    };
     let port = free_port();
     let p = port.to_string();
     let s = ["-p", p.as_str(), "-T", "b", "-S", "4096", "-C", "20000"];
