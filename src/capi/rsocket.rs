@@ -1111,8 +1111,9 @@ pub unsafe extern "C-unwind" fn rpoll(fds: *mut pollfd, nfds: nfds_t, timeout: c
         // at once, and udpong, resending on every timeout, read its own duplicate echoes).
         let left = deadline.map(|d| ceil_ms(d.saturating_duration_since(Instant::now())));
         if left == Some(0) {
-            // A caller polling with timeout 0 spins: let the engine's progress thread run.
-            std::thread::yield_now();
+            // A caller polling with timeout 0 spins (its rpoll progressed the worker): paused
+            // as a spin on EAGAIN is, by a short sleep now and then, not a yield per call.
+            spin_pause();
             return 0;
         }
         let t = match (left, rs_timeout) {
