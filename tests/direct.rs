@@ -1245,16 +1245,7 @@ fn scenario_fenced_responder(relay: &mut Relay, link: &mut Link, dereg: bool) {
     const LEN: usize = 1 << 20;
     fill(link, LEN, 0x33);
     let answered = fnv(&link.local.bytes()[..LEN]);
-    let mr = link.local.reg(&link.dev, LOCAL_WRITE | REMOTE_READ);
-    let rkey = unsafe { (*mr).rkey };
-    assert_eq!(
-        relay.ask(&format!("read-stop {} {rkey} {LEN}", link.local.addr())),
-        "posted"
-    );
-    relay.signal("target-stopped");
-    // This process's progress thread answers the READ meanwhile: the answer waits in UCX
-    // for the stopped target to pull it.
-    std::thread::sleep(Duration::from_millis(100));
+    let mr = read_answer_waiting_for_stopped_target(relay, link, LEN);
     let cont = continue_target_after(Duration::from_millis(300));
     if dereg {
         assert_eq!(unsafe { ibv_dereg_mr(mr) }, 0);
@@ -1273,16 +1264,7 @@ fn scenario_fenced_responder(relay: &mut Relay, link: &mut Link, dereg: bool) {
 }
 
 fn scenario_destroy_after_peer_died(relay: &mut Relay, link: &mut Link) {
-    const LEN: usize = 1 << 20;
-    let mr = link.local.reg(&link.dev, LOCAL_WRITE | REMOTE_READ);
-    let rkey = unsafe { (*mr).rkey };
-    assert_eq!(
-        relay.ask(&format!("read-stop {} {rkey} {LEN}", link.local.addr())),
-        "posted"
-    );
-    relay.signal("target-stopped");
-    // The answer goes to UCX meanwhile, and waits for the stopped target.
-    std::thread::sleep(Duration::from_millis(100));
+    read_answer_waiting_for_stopped_target(relay, link, 1 << 20);
     relay.signal("kill-target");
     let started = Instant::now();
     assert_eq!(unsafe { ibv_destroy_qp(link.qp) }, 0);
@@ -1291,6 +1273,25 @@ fn scenario_destroy_after_peer_died(relay: &mut Relay, link: &mut Link) {
         took < Duration::from_secs(1),
         "ibv_destroy_qp took {took:?} with its peer dead"
     );
+}
+
+/// Registers `len` bytes of this side's buffer for remote reading, has the target READ them
+/// and stop, and gives this process's progress thread time to answer: the answer then waits
+/// in UCX for the stopped target to pull it. The MR.
+fn read_answer_waiting_for_stopped_target(
+    relay: &mut Relay,
+    link: &mut Link,
+    len: usize,
+) -> *mut ibv_mr {
+    let mr = link.local.reg(&link.dev, LOCAL_WRITE | REMOTE_READ);
+    let rkey = unsafe { (*mr).rkey };
+    assert_eq!(
+        relay.ask(&format!("read-stop {} {rkey} {len}", link.local.addr())),
+        "posted"
+    );
+    relay.signal("target-stopped");
+    std::thread::sleep(Duration::from_millis(100));
+    mr
 }
 
 /// The target's successful completion of what "recv-big" or "read-stop" posted; the hash of
