@@ -217,6 +217,46 @@ fn rstream_4k_transfers_beside_busy_cpus(mode: &str) {
     );
 }
 
+/// A program that uses rsockets only (no verbs context of its own) shuts ugdr's engine down
+/// at exit, as a verbs program does: its progress thread stops before UCX's own destructors
+/// run, and its LID entry leaves the per-host directory. Only opening a verbs context
+/// registered that shutdown: an rsocket program's progress thread went on progressing while
+/// UCX was torn down (once aborting riostream inside UCX after its last transfer), and its
+/// entries stayed in the directory until the next process swept them.
+#[test]
+fn an_rsocket_program_shuts_the_engine_down_at_exit() {
+    use std::os::unix::fs::DirBuilderExt;
+    let rundir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("rundir-exit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&rundir);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&rundir)
+        .expect("rundir");
+    let port = free_port();
+    let p = port.to_string();
+    let s = ["-p", p.as_str(), "-S", "1024", "-C", "10"];
+    let mut c = vec!["-s", "127.0.0.1"];
+    c.extend_from_slice(&s);
+    let (mut server, mut client) = (preloaded("rstream", &s), preloaded("rstream", &c));
+    server.env("UGDR_RUNDIR", &rundir);
+    client.env("UGDR_RUNDIR", &rundir);
+    let (so, co) = run_pingpong(server, client, port, Duration::from_secs(30));
+    assert_success(&so, "rstream server");
+    assert_success(&co, "rstream client");
+    let left: Vec<String> = std::fs::read_dir(&rundir)
+        .expect("rundir")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("lid-"))
+        .collect();
+    let _ = std::fs::remove_dir_all(&rundir);
+    assert!(
+        left.is_empty(),
+        "entries left in the directory after both rstreams exited: {left:?}"
+    );
+}
+
 /// Blocking sockets (`-T b`, MSG_WAITALL): a send that has sent part of its bytes goes on
 /// until the peer's credits let it send the rest. It once decided what to wait on after
 /// credits had come in and, seeing room, waited for nothing (no completion comes for a

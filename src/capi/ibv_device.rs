@@ -14,7 +14,7 @@ use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 use std::os::raw::{c_char, c_int, c_uint};
 use std::ptr::{self, null_mut};
-use std::sync::{Arc, LazyLock, Once, OnceLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 
 static DEVICE: OnceLock<DeviceShell> = OnceLock::new();
 
@@ -186,14 +186,6 @@ pub unsafe extern "C" fn ibv_get_device_index(dev: *mut ibv_device) -> c_int {
     })
 }
 
-static AT_EXIT: Once = Once::new();
-
-extern "C" fn release_directory_entry() {
-    if let Some(e) = Engine::running() {
-        e.shutdown();
-    }
-}
-
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_context {
     ffi_boundary!("ibv_open_device", {
@@ -214,17 +206,8 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_conte
     })
 }
 
-/// Shuts the engine down at process exit (once per process; every API that starts it calls this).
-pub(crate) fn shut_down_at_exit() {
-    AT_EXIT.call_once(|| {
-        // SAFETY: registering a plain extern "C" fn with no arguments.
-        unsafe { libc::atexit(release_directory_entry) };
-    });
-}
-
 fn open_context(dev: *mut ibv_device) -> Result<*mut ibv_context, VerbsError> {
     Engine::get()?;
-    shut_down_at_exit();
     debug_assert_eq!(dev, device().as_raw());
     let inner = Arc::new(DeviceContext::new()?);
     let cmd_file = ibv_import::command_file(&inner)?;

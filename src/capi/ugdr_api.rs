@@ -5,7 +5,6 @@
 //! Out-parameters are written only on success.
 
 use super::boundary::{Fallback, ffi_boundary, set_errno, status};
-use super::ibv_device::shut_down_at_exit;
 use super::ibv_pd_mr::register_host;
 use super::ibv_qp::{AppSge, read_sges};
 use crate::engine::Engine;
@@ -311,12 +310,9 @@ pub unsafe extern "C" fn ugdr_open_device(device: *mut ugdr_device) -> *mut Ugdr
             .map_err(VerbsError::from)
             .and_then(|_| DeviceContext::new());
         match opened {
-            Ok(ctx) => {
-                shut_down_at_exit();
-                Box::into_raw(Box::new(UgdrContext {
-                    inner: Arc::new(ctx),
-                }))
-            }
+            Ok(ctx) => Box::into_raw(Box::new(UgdrContext {
+                inner: Arc::new(ctx),
+            })),
             Err(e) => fail("ugdr_open_device", e),
         }
     })

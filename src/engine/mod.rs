@@ -78,6 +78,13 @@ struct PeerProcess {
 
 static ENGINE: OnceLock<Result<Engine, EngineError>> = OnceLock::new();
 
+/// Runs at process exit (registered once, when the engine started): [`Engine::shutdown`].
+extern "C" fn shut_down_at_exit() {
+    if let Some(e) = Engine::running() {
+        e.shutdown();
+    }
+}
+
 /// How long an exiting process keeps progressing so that its last ACKs leave.
 const EXIT_DRAIN: std::time::Duration = std::time::Duration::from_millis(5);
 
@@ -91,7 +98,15 @@ impl Engine {
     /// The process's engine, started on first use.
     pub fn get() -> Result<&'static Engine, EngineError> {
         let engine = ENGINE
-            .get_or_init(Engine::start)
+            .get_or_init(|| {
+                let started = Engine::start();
+                // Whatever started it (a verbs context, an rsocket, the ugdr_* API): the
+                // progress thread must stop before UCX's own destructors run at exit.
+                if started.is_ok() && !crate::sys::process::at_exit(shut_down_at_exit) {
+                    tracing::warn!("cannot register the engine's shutdown at exit");
+                }
+                started
+            })
             .as_ref()
             .map_err(Clone::clone)?;
         if engine.stopping.load(Ordering::Acquire) {

@@ -16,5 +16,6 @@ include!(concat!(env!("OUT_DIR"), "/sys.rs"));
 pub mod socket;
 
 pub mod dl;
+pub mod process;
 pub mod ucs;
 pub mod verbs;
