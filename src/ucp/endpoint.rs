@@ -371,7 +371,8 @@ impl Endpoint {
             spilled = header.iter().chain(&self.trailer).copied().collect();
             &spilled
         };
-        let (datatype, buf, count) = buffer_of(bytes_iov(payload).as_slice());
+        let iov = bytes_iov(payload);
+        let (datatype, buf, count) = buffer_of(iov.as_slice());
         let immediate = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_DATATYPE.0
                 | sys::ucp_op_attr_t::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL.0,
