@@ -222,12 +222,17 @@ impl Header {
 pub const BUNDLE_MARK: u8 = 0xb0;
 /// The bytes one message adds to a bundle besides its payload.
 pub const BUNDLE_FRAME: usize = 4 + HEADER_LEN;
-/// A bundle's body stays below this. UCX delivers a message whole, so a bundle's first
-/// messages wait for its last bytes; fewer, larger bundles save sends but hold more back.
-/// Measured with SPDK's randrw across two namespaces (`scripts/spdk --netns`): 8 KiB ~190k
-/// IOPS, 16 KiB ~245k, 20 KiB ~250k (about four 4 KiB WRITEs with their responses), 32 KiB
-/// and 64 KiB ~205k; UCX's segment size (`UCX_TCP_TX_SEG_SIZE`) changed none of these.
-pub const BUNDLE_MAX: usize = 20 << 10;
+/// A bundle's body stays below this: a whole WR list of SPDK's, or of `ib_send_bw -l 8 -s 8192`,
+/// fits in one UCX send.
+pub const BUNDLE_MAX: usize = 65536 - 256;
+/// The first bundle of a WR list stays below this. UCX delivers a message whole, so a bundle's
+/// first messages wait for its last bytes: a small first bundle lets the peer start on the
+/// list while the rest is on its way. Measured across two namespaces (`scripts/spdk --netns`,
+/// SPDK's randrw q16): every bundle up to 64 KiB ~205k IOPS; up to 20 KiB ~255k, but
+/// `ib_send_bw -l 8 -s 8192` then fell from ~3.2 to ~2.0 GB/s; the first up to 20 KiB and
+/// the rest up to 64 KiB: ~258k and ~2.8 GB/s. (8 KiB: ~190k; 32 KiB: ~205k; UCX's segment
+/// size, `UCX_TCP_TX_SEG_SIZE`, changed none of these.)
+pub const FIRST_BUNDLE_MAX: usize = 20 << 10;
 
 /// The AM header of a bundle.
 pub fn bundle_header() -> [u8; HEADER_LEN] {

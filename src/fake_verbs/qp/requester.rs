@@ -86,8 +86,9 @@ impl QueuePair {
     }
 
     /// Sends a WR list's messages in order: consecutive small ones to the same peer process on
-    /// another host go as one bundle (`wire::bundle_header`), one UCX send — over TCP one syscall and one
-    /// segment instead of one per WR — the rest one by one. Stops once the QP failed.
+    /// another host go as one bundle (`wire::bundle_header`), one UCX send — over TCP one
+    /// syscall and one segment instead of one per WR — the rest one by one; the list's first
+    /// bundle is kept small (`wire::FIRST_BUNDLE_MAX`). Stops once the QP failed.
     fn send_data_messages(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
@@ -95,21 +96,28 @@ impl QueuePair {
     ) {
         let mut batch: SmallVec<[DataMessage; 8]> = SmallVec::new();
         let mut batch_bytes = 0;
+        // Small until the list's first send, so that the peer starts on the list early.
+        let mut limit = wire::FIRST_BUNDLE_MAX;
         for m in messages {
             let len = wire::BUNDLE_FRAME + m.payload.len();
-            let fits = m.bundle && len <= wire::BUNDLE_MAX;
-            let joins = fits
-                && batch.first().is_none_or(|b| {
-                    Arc::ptr_eq(&b.endpoint, &m.endpoint) && batch_bytes + len <= wire::BUNDLE_MAX
+            let joins = m.bundle
+                && batch.first().is_some_and(|b| {
+                    Arc::ptr_eq(&b.endpoint, &m.endpoint) && batch_bytes + len <= limit
                 });
-            if !joins && !self.send_batch(locked, &mut batch) {
-                return;
+            if !joins && !batch.is_empty() {
+                limit = wire::BUNDLE_MAX;
+                if !self.send_batch(locked, &mut batch) {
+                    return;
+                }
             }
-            if fits {
+            if joins || (m.bundle && len <= limit) {
                 batch_bytes = if joins { batch_bytes + len } else { len };
                 batch.push(m);
-            } else if !self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq)) {
-                return; // the QP failed: what follows was flushed
+            } else {
+                limit = wire::BUNDLE_MAX;
+                if !self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq)) {
+                    return; // the QP failed: what follows was flushed
+                }
             }
         }
         self.send_batch(locked, &mut batch);
