@@ -222,8 +222,8 @@ impl Header {
 pub const BUNDLE_MARK: u8 = 0xb0;
 /// The bytes one message adds to a bundle besides its payload.
 pub const BUNDLE_FRAME: usize = 4 + HEADER_LEN;
-/// A bundle's body stays below this: a whole WR list of SPDK's, or of `ib_send_bw -l 8 -s 8192`,
-/// fits in one UCX send.
+/// A bundle's body stays below this: up to 64 KiB of a WR list (the rest of a list of SPDK's
+/// target, say) goes as one UCX send.
 pub const BUNDLE_MAX: usize = 65536 - 256;
 /// The first bundle of a WR list stays below this. UCX delivers a message whole, so a bundle's
 /// first messages wait for its last bytes: a small first bundle lets the peer start on the
