@@ -266,14 +266,13 @@ const CONTENDED_YIELD: Duration = Duration::from_micros(1000);
 const CONTENDED_BACKOFF: Duration = Duration::from_millis(20);
 
 /// Gives the CPU (adaptive) or only the worker lock (busy) a moment before the next pass.
-/// Adaptive: when the CPU turned out to be contended (the yield came back late), until when
-/// not to spin.
-fn pause(mode: ProgressMode, activity: &Activity) -> Option<Instant> {
+/// Adaptive: when the CPU turned out to be contended (the yield came back late), sets
+/// `calm_after`, until when not to spin.
+fn pause(mode: ProgressMode, activity: &Activity, calm_after: &mut Option<Instant>) {
     if mode == ProgressMode::Busy {
         for _ in 0..64 {
             std::hint::spin_loop();
         }
-        None
     } else {
         // Let the application's threads go first: on a machine with few cores they need the
         // CPU this thread takes.
@@ -283,8 +282,9 @@ fn pause(mode: ProgressMode, activity: &Activity) -> Option<Instant> {
         // Late, and not because the application polled meanwhile (when it busy-polls the
         // thread steps aside anyway, and sleeping on the event fd would make every peer
         // signal it): other threads want this CPU.
-        (start.elapsed() > CONTENDED_YIELD && activity.seen().polls == polls)
-            .then(|| Instant::now() + CONTENDED_BACKOFF)
+        if start.elapsed() > CONTENDED_YIELD && activity.seen().polls == polls {
+            *calm_after = Some(Instant::now() + CONTENDED_BACKOFF);
+        }
     }
 }
 
@@ -361,13 +361,13 @@ pub(super) fn run(
             && (mode == ProgressMode::Busy || last_activity.is_some_and(|t| t.elapsed() < spin));
         let locked = if spinning {
             if app_quiet_since.elapsed() < APP_QUIET {
-                calm_after = pause(mode, activity).or(calm_after);
+                pause(mode, activity, &mut calm_after);
                 continue;
             }
             match worker.try_lock() {
                 Some(l) => l,
                 None => {
-                    calm_after = pause(mode, activity).or(calm_after);
+                    pause(mode, activity, &mut calm_after);
                     continue;
                 }
             }
@@ -415,7 +415,7 @@ pub(super) fn run(
         }
         if spinning {
             drop(locked);
-            calm_after = pause(mode, activity).or(calm_after);
+            pause(mode, activity, &mut calm_after);
             continue;
         }
         last_activity = None;
