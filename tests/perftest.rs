@@ -141,6 +141,78 @@ fn ib_atomic_bw_compare_and_swap() {
     perftest("ib_atomic_bw", &["-A", "CMP_AND_SWAP", "-n", "1000"], 90);
 }
 
+// perftest's other common modes: each side's QP requester and responder at once, completions
+// through a channel, the unreliable transports, a shared receive queue, WR lists, on-demand
+// paging and a timed run. perftest fails (exit 1) on any completion that is not a success.
+// (Not its UC/UD bandwidth runs: there no acknowledgement holds a sender back, a message that
+// finds no receive WR is dropped, as a HCA drops it, and perftest's server, counting to its
+// iterations, would wait for it for good; their latency runs, a ping-pong, cannot overrun.)
+
+#[test]
+fn ib_send_bw_bidirectional() {
+    perftest("ib_send_bw", &["-b", "-n", "2000"], 90);
+}
+
+#[test]
+fn ib_write_bw_bidirectional() {
+    perftest("ib_write_bw", &["-b", "-n", "2000"], 90);
+}
+
+#[test]
+fn ib_read_bw_bidirectional() {
+    perftest("ib_read_bw", &["-b", "-n", "1000"], 90);
+}
+
+#[test]
+fn ib_send_bw_with_completion_events() {
+    perftest("ib_send_bw", &["-e", "-n", "2000"], 90);
+}
+
+#[test]
+fn ib_send_lat_with_completion_events() {
+    perftest("ib_send_lat", &["-e", "-n", "1000"], 90);
+}
+
+#[test]
+fn ib_send_lat_over_ud() {
+    perftest("ib_send_lat", &["-c", "UD", "-n", "1000"], 90);
+}
+
+#[test]
+fn ib_write_lat_over_uc() {
+    perftest("ib_write_lat", &["-c", "UC", "-n", "1000"], 90);
+}
+
+#[test]
+fn ib_send_bw_with_a_shared_receive_queue_and_eight_qps() {
+    perftest("ib_send_bw", &["--use-srq", "-q", "8", "-n", "1000"], 90);
+}
+
+#[test]
+fn ib_send_bw_posting_lists_of_16() {
+    perftest("ib_send_bw", &["-l", "16", "-n", "2000"], 90);
+}
+
+#[test]
+fn ib_write_bw_posting_lists_of_8() {
+    perftest("ib_write_bw", &["-l", "8", "-n", "2000"], 90);
+}
+
+#[test]
+fn ib_write_bw_on_demand_paging() {
+    perftest("ib_write_bw", &["--odp", "-n", "1000"], 90);
+}
+
+#[test]
+fn ib_read_bw_on_demand_paging() {
+    perftest("ib_read_bw", &["--odp", "-n", "1000"], 90);
+}
+
+#[test]
+fn ib_send_bw_for_two_seconds() {
+    perftest("ib_send_bw", &["-D", "2"], 90);
+}
+
 /// perftest's XRC mode sets responder attributes (MAX_DEST_RD_ATOMIC, MIN_RNR_TIMER) on its
 /// XRC send QP and requester ones on its receive QP at every modify: the kernel's command layer
 /// drops those for the QP's type before checking the transition, and so does ugdr (before, the
