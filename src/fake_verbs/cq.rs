@@ -141,41 +141,57 @@ impl CompletionQueue {
 
     /// Adds a completion, stamped with the clocks the CQ asked for. A full CQ is an overrun:
     /// the completion is lost and IBV_EVENT_CQ_ERR is raised, as on hardware.
-    pub fn push(&self, mut wc: WorkCompletion, solicited: bool) {
-        let notify = {
-            let mut ring = self.ring();
-            // Stamped under the ring's lock: stamps never decrease along the queue.
-            if self.timestamps.raw {
-                wc.completion_ts = clock::raw_clock();
+    pub fn push(&self, wc: WorkCompletion, solicited: bool) {
+        let notify = self.push_locked(&mut self.ring(), wc, solicited);
+        self.notify_if(notify);
+    }
+
+    /// A run of pushes under one hold of the ring's lock, taken at the first (an ACK releases
+    /// many send completions at once); the channel is told when the run ends.
+    pub fn batch(&self) -> PushBatch<'_> {
+        PushBatch {
+            cq: self,
+            ring: None,
+            notify: false,
+        }
+    }
+
+    /// Queues `wc` in `ring`; whether the completion channel is to be told.
+    fn push_locked(&self, ring: &mut Ring, mut wc: WorkCompletion, solicited: bool) -> bool {
+        // Stamped under the ring's lock: stamps never decrease along the queue.
+        if self.timestamps.raw {
+            wc.completion_ts = clock::raw_clock();
+        }
+        if self.timestamps.wallclock {
+            wc.completion_wallclock_ns = clock::wallclock_ns();
+        }
+        if ring.entries.len() >= ring.capacity {
+            if !ring.overrun {
+                ring.overrun = true;
+                tracing::warn!(
+                    "cq {:#x}: overrun (capacity {}), completion of wr_id {} lost",
+                    self.handle(),
+                    ring.capacity,
+                    wc.wr_id
+                );
+                self.context.raise(EVENT_CQ_ERR, self.handle());
             }
-            if self.timestamps.wallclock {
-                wc.completion_wallclock_ns = clock::wallclock_ns();
-            }
-            if ring.entries.len() >= ring.capacity {
-                if !ring.overrun {
-                    ring.overrun = true;
-                    tracing::warn!(
-                        "cq {:#x}: overrun (capacity {}), completion of wr_id {} lost",
-                        self.handle(),
-                        ring.capacity,
-                        wc.wr_id
-                    );
-                    self.context.raise(EVENT_CQ_ERR, self.handle());
-                }
-                return;
-            }
-            ring.entries.push_back(wc);
-            self.queued.store(ring.entries.len(), Ordering::Release);
-            let fire = match ring.arming {
-                Arming::Off => false,
-                Arming::Any => true,
-                Arming::SolicitedOnly => solicited || wc.status != WcStatus::Success,
-            };
-            if fire {
-                ring.arming = Arming::Off;
-            }
-            fire
+            return false;
+        }
+        ring.entries.push_back(wc);
+        self.queued.store(ring.entries.len(), Ordering::Release);
+        let fire = match ring.arming {
+            Arming::Off => false,
+            Arming::Any => true,
+            Arming::SolicitedOnly => solicited || wc.status != WcStatus::Success,
         };
+        if fire {
+            ring.arming = Arming::Off;
+        }
+        fire
+    }
+
+    fn notify_if(&self, notify: bool) {
         if notify && let Some(ch) = &self.channel {
             ch.events.push(self.handle());
         }
@@ -283,5 +299,68 @@ impl CompletionQueue {
             ch.users.fetch_sub(1, Ordering::AcqRel);
         }
         self.context.release_child();
+    }
+}
+
+/// Pushes to one CQ under one hold of its lock ([`CompletionQueue::batch`]).
+pub struct PushBatch<'a> {
+    cq: &'a CompletionQueue,
+    ring: Option<std::sync::MutexGuard<'a, Ring>>,
+    notify: bool,
+}
+
+impl PushBatch<'_> {
+    /// As [`CompletionQueue::push`].
+    pub fn push(&mut self, wc: WorkCompletion, solicited: bool) {
+        let ring = self.ring.get_or_insert_with(|| self.cq.ring());
+        self.notify |= self.cq.push_locked(ring, wc, solicited);
+    }
+}
+
+impl Drop for PushBatch<'_> {
+    fn drop(&mut self) {
+        self.ring = None; // the lock first: the channel's own lock is never taken under it
+        self.cq.notify_if(self.notify);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::work::WcOpcode;
+    use super::*;
+
+    fn wc(wr_id: u64) -> WorkCompletion {
+        WorkCompletion::new(wr_id, WcStatus::Success, WcOpcode::Send, 7)
+    }
+
+    #[test]
+    fn a_batch_queues_in_order_overruns_as_pushes_do_and_tells_an_armed_channel_once_at_its_end() {
+        let context = Arc::new(DeviceContext::new().expect("context"));
+        let channel = CompletionChannel::new(Arc::clone(&context)).expect("channel");
+        let cq = CompletionQueue::new(context, 3, Some(Arc::clone(&channel)));
+        cq.arm(false).unwrap();
+        {
+            let mut batch = cq.batch();
+            for wr_id in 1..=4 {
+                batch.push(wc(wr_id), true); // the fourth finds the CQ full: lost
+            }
+            assert_eq!(
+                channel.events.try_wait().unwrap(),
+                None,
+                "not before the end"
+            );
+        }
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        assert_eq!(channel.events.try_wait().unwrap(), None, "told once");
+        let mut polled = Vec::new();
+        assert_eq!(cq.poll(8, |w| polled.push(w.wr_id)), 3);
+        assert_eq!(polled, [1, 2, 3]);
+        // Not armed since: a batch tells nobody; armed, an empty one tells nobody either.
+        cq.batch().push(wc(5), true);
+        cq.arm(false).unwrap();
+        drop(cq.batch());
+        assert_eq!(channel.events.try_wait().unwrap(), None);
+        assert_eq!(cq.poll(8, |w| polled.push(w.wr_id)), 1);
+        assert_eq!(polled, [1, 2, 3, 5]);
     }
 }

@@ -84,6 +84,8 @@ impl QueuePair {
     /// initiator hands a flushed command's buffer to the next qpair). One that succeeded was
     /// delivered whole, so what UCX still carries is a duplicate the responder drops.
     pub(super) fn release_send_completions(&self, q: &mut Queues) {
+        // One hold of the CQ's lock for all the completions an ACK releases.
+        let mut done = self.send_cq.batch();
         while let Some(head) = q.sq.front() {
             let Some(status) = head.outcome else { break };
             if status != WcStatus::Success
@@ -100,9 +102,10 @@ impl QueuePair {
                 } else {
                     0
                 };
-                self.send_cq.push(wc, true);
+                done.push(wc, true);
             }
         }
+        drop(done);
         self.check_drained(q);
     }
 
