@@ -22,6 +22,8 @@ const WC_RNR_RETRY_EXC_ERR: u32 = 13;
 const WC_OP_SEND: u32 = 0;
 const WC_OP_RECV: u32 = 128;
 /// Where qp_peer's receive slots start in its buffer (half of its 16 MiB).
+/// qp_peer's buffer (`BUF_LEN`) and its receive half.
+const BUF_LEN: u64 = 16 << 20;
 const RECV_HALF: u64 = 8 << 20;
 /// ibv_rc_pingpong's local ACK timeout (4.096 µs × 2^14 ≈ 67 ms).
 const TIMEOUT_14: Duration = Duration::from_nanos(4096 << 14);
@@ -640,6 +642,12 @@ const HOSTILE_QPN: u32 = 0x00ab_cdef;
 ///                               request, as QP [`HOSTILE_QPN`]); ADDR may be misaligned
 ///   `send_as LID QPN PSN LEN`   a SEND of LEN bytes of 0xab with PSN PSN that claims to come
 ///                               from QP QPN of port LID (not its own)
+///   `fuzz SEED COUNT ADDR RKEY` COUNT messages made at random (seeded) as QP [`HOSTILE_QPN`]:
+///                               every op, flag bit and NAK syndrome, PSNs in and far out of
+///                               the window, lengths that lie about the payload, addresses in
+///                               and around the victim's buffer at ADDR with its RKEY or not,
+///                               payloads up to rendezvous size, bundles whose frames lie,
+///                               headers that do not decode, and some with a forged sender
 /// Prints `hostile lid=L` at start and `ok` after each command.
 #[test]
 #[ignore = "the hostile peer process of other tests"]
@@ -697,9 +705,165 @@ fn hostile_peer_process() {
                     locked.progress();
                 }
             }
+            "fuzz" => {
+                let peer = peer.as_ref().expect("connected first");
+                let mut fuzz = Fuzz {
+                    qpn,
+                    lid: engine.lid,
+                    addr: num(3),
+                    rkey: num(4) as u32,
+                    next_psn: 0,
+                };
+                let mut rng = XorShift(num(1) | 1);
+                for _ in 0..num(2) {
+                    let (header, payload) = fuzz.message(&mut rng);
+                    let locked = engine.worker.lock();
+                    // Sent eager or by rendezvous as UCX likes; not waited for one by one
+                    // (a victim that stops reading leaves them pending, as a real flood).
+                    let _ = peer.endpoint.am_send(
+                        &locked,
+                        AM_ID,
+                        &header,
+                        SendPayload::Owned(OwnedBytes::from_vec(payload)),
+                        |_, _| {},
+                    );
+                    locked.progress();
+                }
+                // What UCX still holds goes out (the victim answers, or refuses, meanwhile).
+                let locked = engine.worker.lock();
+                let until = Instant::now() + Duration::from_millis(200);
+                while Instant::now() < until {
+                    locked.progress();
+                }
+            }
             other => panic!("unknown command {other}"),
         }
         println!("ok");
+    }
+}
+
+/// A small deterministic generator (xorshift64): the same seed, the same messages.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn pick<T: Copy>(&mut self, choices: &[T]) -> T {
+        choices[self.below(choices.len() as u64) as usize]
+    }
+}
+
+/// What the hostile peer's `fuzz` sends to QP `qpn` of a victim whose buffer is at `addr`.
+struct Fuzz {
+    qpn: u32,
+    lid: u16,
+    addr: u64,
+    rkey: u32,
+    /// The PSN the victim expects next if everything so far was taken: half the messages
+    /// carry it, so that they get past the sequence check.
+    next_psn: u32,
+}
+
+impl Fuzz {
+    /// One message: the AM header (the endpoint adds its token) and the payload.
+    fn message(&mut self, rng: &mut XorShift) -> (Vec<u8>, Vec<u8>) {
+        use ugdr::engine::wire;
+        match rng.below(10) {
+            // Headers that do not decode: an unknown op or version, or the wrong length.
+            0 => {
+                let mut h = self.header(rng).encode().to_vec();
+                match rng.below(3) {
+                    0 => h[1] = rng.pick(&[0u8, 8, 0x7f, 0xff]),
+                    1 => h[0] = wire::VERSION.wrapping_add(1 + rng.below(200) as u8),
+                    _ => h.truncate(rng.below(wire::HEADER_LEN as u64) as usize),
+                }
+                (h, self.payload(rng))
+            }
+            // A bundle of frames, some of them lying about their length or cut short.
+            1 => {
+                let mut body = ugdr::ucp::OwnedBytes::new();
+                for _ in 0..1 + rng.below(6) {
+                    let payload = vec![0xab; rng.pick(&[0usize, 1, 8, 16, 64, 4096])];
+                    let claimed = match rng.below(4) {
+                        0 => rng.next() as usize,
+                        _ => payload.len(),
+                    };
+                    wire::push_bundle_frame(&mut body, &self.header(rng), claimed);
+                    body.extend_from_slice(&payload);
+                }
+                if rng.below(4) == 0 {
+                    let cut = rng.below(body.len() as u64 + 1) as usize;
+                    body.truncate(cut);
+                }
+                (wire::bundle_header().to_vec(), body.to_vec())
+            }
+            _ => (self.header(rng).encode().to_vec(), self.payload(rng)),
+        }
+    }
+
+    fn header(&mut self, rng: &mut XorShift) -> ugdr::engine::wire::Header {
+        use ugdr::engine::wire::{Header, Op};
+        let op = rng.pick(&[
+            Op::Send,
+            Op::Ack,
+            Op::Write,
+            Op::ReadRequest,
+            Op::ReadResponse,
+            Op::Atomic,
+            Op::AtomicResponse,
+        ]);
+        let seq = match rng.below(4) {
+            0 => rng.next() as u32 & 0x00ff_ffff,
+            1 => rng.below(64) as u32,
+            _ => {
+                self.next_psn += 1;
+                self.next_psn - 1
+            }
+        };
+        let mut h = Header::new(op, self.qpn, HOSTILE_QPN, self.lid, seq);
+        if rng.below(16) == 0 {
+            // Forged: another QP or another port.
+            h.src_qpn = rng.next() as u32 & 0x00ff_ffff;
+            h.src_lid = rng.next() as u16;
+        }
+        // Any flag bits; the multicast one rarely (it takes a path of its own, away from
+        // the QP).
+        h.flags = rng.next() as u8;
+        if rng.below(16) != 0 {
+            h.flags &= !ugdr::engine::wire::FLAG_MULTICAST;
+        }
+        let any = rng.next() as u8;
+        h.status = rng.pick(&[0u8, 1, 2, 3, 4, any]);
+        h.imm_data = rng.next() as u32;
+        h.ack_seq = rng.below(64) as u32;
+        h.rkey = if rng.below(2) == 0 {
+            self.rkey
+        } else {
+            rng.next() as u32
+        };
+        h.remote_addr = match rng.below(5) {
+            0 => rng.next(),
+            1 => self.addr.wrapping_sub(rng.below(64)),
+            2 => self.addr + BUF_LEN - rng.below(64),
+            _ => self.addr + rng.below(BUF_LEN),
+        };
+        let any = rng.next() as u32;
+        h.length = rng.pick(&[0u32, 1, 8, 16, 4096, 65536, 1 << 20, u32::MAX, any]);
+        h
+    }
+
+    fn payload(&self, rng: &mut XorShift) -> Vec<u8> {
+        let len = rng.pick(&[0usize, 1, 8, 16, 64, 4096, 20000, 300_000]);
+        vec![0xab; len]
     }
 }
 
@@ -767,6 +931,64 @@ impl Drop for Hostile {
         unsafe { libc::killpg(self.child.id() as i32, libc::SIGKILL) };
         let _ = self.child.wait();
     }
+}
+
+/// A peer that knows the secret and is the victim QPs' connected peer sends, 6,000 times, what
+/// no ugdr peer sends (`fuzz`: every op and flag, PSNs in and out of the window, lengths that
+/// lie, keys and addresses right and wrong, bundles whose frames lie, headers that do not
+/// decode, forged senders). The victim process neither dies, hangs nor panics, and its engine
+/// then carries an honest pair's SEND as before, data and completion checked.
+#[test]
+fn a_connected_peer_sending_random_messages_crashes_nothing_and_the_engine_still_works() {
+    // With its log on: what it prints of a hostile message is formatted too.
+    let mut victim = QpPeer::local_with("victim", 0x11, &[("UGDR_LOG", "debug")]);
+    let mut hostile = Hostile::start();
+    // A fresh QP for every 100 messages: the first refused request puts a QP in ERR, where
+    // it drops the rest, and the paths before that are the ones worth trying.
+    const QPS: u64 = 60;
+    victim.cmd(&format!("qpns {QPS}"));
+    for seed in 1..=QPS {
+        victim.use_qp(seed as usize);
+        victim.connect(hostile.lid, HOSTILE_QPN, 0, 0, 7, 7);
+        victim.cmd("recv 1 4096 16"); // SENDs find receives (and then none: RNR)
+        hostile.cmd(&format!("connect {} {}", victim.lid, victim.qpn));
+        hostile.cmd(&format!("fuzz {seed} 100 {} {}", victim.addr, victim.rkey));
+        let state = victim.cmd("state");
+        assert!(
+            state.first().is_some_and(|l| l.starts_with("state ")),
+            "seed {seed}: {state:?}\n{}",
+            victim.stderr()
+        );
+    }
+    victim.use_qp(0);
+    let mut a = QpPeer::local("a", 0x22);
+    victim.connect(a.lid, a.qpn, 0x30, 0x40, 7, 7);
+    a.connect(victim.lid, victim.qpn, 0x40, 0x30, 7, 7);
+    victim.cmd("recv 7 64 1");
+    a.cmd("send 8 64 1");
+    let got = victim.poll(1, Duration::from_secs(10));
+    assert_eq!(
+        got,
+        [Wc {
+            wr_id: 7,
+            status: WC_SUCCESS,
+            opcode: WC_OP_RECV,
+            byte_len: 64,
+            qp_num: victim.qpn,
+            src_qp: a.qpn,
+            slid: u32::from(a.lid),
+        }],
+        "{}",
+        victim.stderr()
+    );
+    assert_eq!(
+        victim.cmd("seq 64 1"),
+        ["seq ok"],
+        "message 0 landed in slot 0"
+    );
+    assert_eq!(victim.uniform_bytes(RECV_HALF + 4, 60), Some(0x22));
+    assert_eq!(a.poll(1, Duration::from_secs(10))[0].status, WC_SUCCESS);
+    assert!(!victim.stderr().contains("panicked"), "{}", victim.stderr());
 }
 
 #[test]
