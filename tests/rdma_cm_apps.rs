@@ -108,6 +108,91 @@ fn rping_across_two_hosts() {
     assert_eq!(pings, 100, "{}", text(&co));
 }
 
+/// The threads of process `pid` and its open descriptors.
+fn threads_and_fds(pid: i32) -> (usize, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let threads = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("Threads:");
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd")
+        .count();
+    (threads, fds)
+}
+
+/// Under the kernel's CM a connection request costs the listening application nothing until
+/// it arrives; under ugdr every TCP connection to the listener's port holds a thread and a
+/// descriptor of the application's process until its REQ comes. 800 connections that send
+/// part of a length, a length past any frame, or a frame of no known type, held open (400 of
+/// them would wait for more): the rping server stays up with at most 128 more threads and
+/// descriptors (ugdr's bound; without it, ~250 within 5 s here), and once they are gone a real
+/// client connects and pings, verified.
+#[test]
+fn partial_and_garbage_requests_to_a_listener_take_a_bounded_share_of_the_process() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let port = free_port();
+    let p = port.to_string();
+    let common = ["-a", "127.0.0.1", "-p", &p, "-C", "10", "-S", "100", "-V"];
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let mut server = Guarded::spawn(
+        preloaded("rping", &[&["-s"][..], &common].concat()),
+        "server",
+    );
+    while !listening_here(port) {
+        server.assert_running();
+        assert!(std::time::Instant::now() < deadline, "rping never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (threads, fds) = threads_and_fds(server.pid());
+    // All at once (rping listens with a backlog of 3: one after another, most would wait
+    // out SYN retransmissions while the first ones' REQ time ran out).
+    let connections: Vec<_> = (0..800)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+                // Refused at once or not, writes may fail: the point is what the server does.
+                // Each sends something: a connection that sends nothing may never leave the
+                // kernel (SYN cookies), where it costs the process nothing.
+                let _ = match i % 4 {
+                    0 => s.write_all(&u32::MAX.to_be_bytes()),
+                    1 => s.write_all(&[0, 0, 0, 5, 0x63, 1, 2, 3, 4]),
+                    2 => s.write_all(&[0, 0]),
+                    _ => s.write_all(&[0, 0, 0]),
+                };
+                Some(s)
+            })
+        })
+        .collect();
+    let held: Vec<TcpStream> = connections
+        .into_iter()
+        .filter_map(|t| t.join().expect("a connecting thread"))
+        .collect();
+    // The server accepts them as the kernel hands them over: the most it holds over 5 s.
+    let (mut threads_now, mut fds_now) = (threads, fds);
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        server.assert_running();
+        let (t, f) = threads_and_fds(server.pid());
+        (threads_now, fds_now) = (threads_now.max(t), fds_now.max(f));
+    }
+    assert!(
+        threads_now <= threads + 128 && fds_now <= fds + 128,
+        "threads {threads} -> {threads_now}, descriptors {fds} -> {fds_now}"
+    );
+    drop(held);
+    let client = Guarded::spawn(
+        preloaded("rping", &[&["-c"][..], &common].concat()),
+        "client",
+    );
+    let c = client.wait_until(deadline).unwrap_or_else(|o| o);
+    assert_success(&c, "rping client after the flood");
+    let s = server.wait_until(deadline).unwrap_or_else(|o| o);
+    assert_success(&s, "rping server after the flood");
+}
+
 #[test]
 fn an_address_nobody_answers_is_an_address_error_within_the_timeout() {
     // 10.199.0.3 is on namespace B's link, but no host has it: address resolution (rping

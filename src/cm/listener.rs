@@ -11,10 +11,20 @@ use super::wire::Message;
 use super::{CmError, spawn_cm_thread};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// How long a passive side waits for the REQ on a fresh connection.
 const REQ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// At most this many of a listener's connections wait for their REQ at once: each holds a
+/// thread and a descriptor of the application's process until its REQ comes (or
+/// [`REQ_TIMEOUT`]), so connections that send nothing must not take them all. Beyond it a new
+/// connection is closed at once, as a full SYN queue drops a connection attempt. A real
+/// requester sends its REQ as soon as it is connected, but a burst of them (cmtime connects
+/// 100 at once) can be accepted faster than their threads read, on a loaded host: room for
+/// such a burst.
+const MAX_AWAITING_REQ: usize = 128;
 
 impl CmId {
     /// `rdma_listen`. An unbound id listens on every address, on an ephemeral port.
@@ -59,14 +69,26 @@ impl CmId {
 
 /// Accepts CM connections for a listening id until it is destroyed.
 fn serve_listener(listen_id: Arc<CmId>, listener: Arc<TcpListener>) {
+    let awaiting = Arc::new(AtomicUsize::new(0));
     loop {
         match listener.accept() {
-            Ok((stream, _)) => {
+            Ok((stream, from)) => {
                 if listen_id.is_destroyed() {
                     return;
                 }
+                if awaiting.load(Ordering::Acquire) >= MAX_AWAITING_REQ {
+                    tracing::debug!(
+                        "cm: {MAX_AWAITING_REQ} connections wait for their REQ already: \
+                         closing the one from {from}"
+                    );
+                    continue;
+                }
+                awaiting.fetch_add(1, Ordering::AcqRel);
+                let turn = AwaitingReq(Arc::clone(&awaiting));
                 let id = Arc::clone(&listen_id);
-                if let Err(e) = spawn_cm_thread("ugdr-cm-conn", move || serve_request(id, stream)) {
+                if let Err(e) =
+                    spawn_cm_thread("ugdr-cm-conn", move || serve_request(id, stream, turn))
+                {
                     tracing::warn!("cm: cannot serve a connection request: {e}");
                 }
             }
@@ -82,15 +104,27 @@ fn serve_listener(listen_id: Arc<CmId>, listener: Arc<TcpListener>) {
     }
 }
 
+/// One of a listener's connections waiting for its REQ (see [`MAX_AWAITING_REQ`]); counted
+/// out when dropped.
+struct AwaitingReq(Arc<AtomicUsize>);
+
+impl Drop for AwaitingReq {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Reads a REQ on a fresh connection, raises CONNECT_REQUEST with a new id, then serves the
 /// connection for that id.
-fn serve_request(listen_id: Arc<CmId>, stream: TcpStream) {
+fn serve_request(listen_id: Arc<CmId>, stream: TcpStream, turn: AwaitingReq) {
     let _ = stream.set_read_timeout(Some(REQ_TIMEOUT));
+    let request = Message::read_from(&stream);
+    drop(turn);
     let Ok(Message::Req {
         endpoint,
         private_data,
         ..
-    }) = Message::read_from(&stream)
+    }) = request
     else {
         return;
     };
