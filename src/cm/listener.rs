@@ -118,16 +118,16 @@ impl Drop for AwaitingReq {
 /// connection for that id.
 fn serve_request(listen_id: Arc<CmId>, stream: TcpStream, turn: AwaitingReq) {
     let _ = stream.set_read_timeout(Some(REQ_TIMEOUT));
-    let request = Message::read_from(&stream);
-    drop(turn);
     let Ok(Message::Req {
         endpoint,
         private_data,
         ..
-    }) = request
+    }) = Message::read_from(&stream)
     else {
+        drop(stream); // closed before its turn goes back
         return;
     };
+    drop(turn);
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_nodelay(true);
     let full = {
