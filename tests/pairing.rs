@@ -966,11 +966,23 @@ fn a_connected_peer_sending_random_messages_crashes_nothing_and_the_engine_still
     a.connect(victim.lid, victim.qpn, 0x40, 0x30, 7, 7);
     victim.cmd("recv 7 64 1");
     a.cmd("send 8 64 1");
+    assert_64_bytes_received_from(&mut victim, &mut a, 7);
+    assert_eq!(
+        victim.cmd("seq 64 1"),
+        ["seq ok"],
+        "message 0 landed in slot 0"
+    );
+    assert!(!victim.stderr().contains("panicked"), "{}", victim.stderr());
+}
+
+/// `victim`'s receive `wr_id` completes with a's 64-byte SEND (every WC field), its bytes after
+/// the sequence word are a's fill (0x22), and a's send completes too.
+fn assert_64_bytes_received_from(victim: &mut QpPeer, a: &mut QpPeer, wr_id: u64) {
     let got = victim.poll(1, Duration::from_secs(10));
     assert_eq!(
         got,
         [Wc {
-            wr_id: 7,
+            wr_id,
             status: WC_SUCCESS,
             opcode: WC_OP_RECV,
             byte_len: 64,
@@ -981,14 +993,12 @@ fn a_connected_peer_sending_random_messages_crashes_nothing_and_the_engine_still
         "{}",
         victim.stderr()
     );
-    assert_eq!(
-        victim.cmd("seq 64 1"),
-        ["seq ok"],
-        "message 0 landed in slot 0"
-    );
     assert_eq!(victim.uniform_bytes(RECV_HALF + 4, 60), Some(0x22));
-    assert_eq!(a.poll(1, Duration::from_secs(10))[0].status, WC_SUCCESS);
-    assert!(!victim.stderr().contains("panicked"), "{}", victim.stderr());
+    assert_eq!(
+        a.poll(1, Duration::from_secs(10))[0].status,
+        WC_SUCCESS,
+        "a's send completes"
+    );
 }
 
 #[test]
@@ -1140,27 +1150,7 @@ fn a_process_that_knows_the_secret_cannot_pass_itself_off_as_the_connected_peer(
     );
     // The real peer's SEND with that PSN takes the receive.
     a.cmd("send 2 64 1");
-    let got = victim.poll(1, Duration::from_secs(10));
-    assert_eq!(
-        got,
-        [Wc {
-            wr_id: 1,
-            status: 0,
-            opcode: WC_OP_RECV,
-            byte_len: 64,
-            qp_num: victim.qpn,
-            src_qp: a.qpn,
-            slid: u32::from(a.lid),
-        }],
-        "{}",
-        victim.stderr()
-    );
-    assert_eq!(victim.uniform_bytes(RECV_HALF + 4, 60), Some(0x22));
-    assert_eq!(
-        a.poll(1, Duration::from_secs(10))[0].status,
-        0,
-        "a's send completes"
-    );
+    assert_64_bytes_received_from(&mut victim, &mut a, 1);
 }
 
 /// Two processes fetch-and-add on one counter of a third: one on the same-host direct path
