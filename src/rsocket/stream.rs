@@ -458,11 +458,13 @@ impl Stream {
                     {
                         rev |= libc::POLLOUT;
                     }
-                    if c.error.is_some() {
-                        rev |= libc::POLLERR;
-                    }
+                    // A connection the peer ended is hung up, not failed, whatever its
+                    // last sends met (librdmacm: DISCONNECTED turns rs_error into
+                    // rs_disconnected, which polls as POLLHUP alone).
                     if st.peer_gone {
                         rev |= libc::POLLHUP;
+                    } else if c.error.is_some() {
+                        rev |= libc::POLLERR;
                     }
                 }
             }

@@ -393,6 +393,11 @@ impl Conn {
     }
 
     fn complete(&mut self, wc: &WorkCompletion) {
+        if wc.status != WcStatus::Success && wc.opcode == WcOpcode::Recv {
+            // As librdmacm's rsockets: a receive that did not complete (flushed when the
+            // connection went) is no failure of the connection; its slot is gone with it.
+            return;
+        }
         if wc.status != WcStatus::Success {
             if self.error.is_none() {
                 tracing::debug!("rsocket qp {:#x}: {:?}", self.qp.qp_num, wc.status);
@@ -402,9 +407,7 @@ impl Conn {
                     libc::ECONNRESET
                 });
             }
-            if wc.opcode != WcOpcode::Recv {
-                self.send_done(wc.wr_id);
-            }
+            self.send_done(wc.wr_id);
             return;
         }
         if wc.opcode != WcOpcode::Recv {

@@ -10,7 +10,8 @@
  *    rsocket wakes for the rsocket only, then for both; the client fills the peer without it
  *    reading until EAGAIN, then says how much it sent; the server counts it all.
  * D: rshutdown(SHUT_WR) is a half-close (the server reads 0, still sends, the client still
- *    receives); after the client's rclose the server's rrecv is 0 and rsend fails EPIPE. */
+ *    receives); after the client's rclose the server's rrecv is 0, rpoll reports POLLHUP
+ *    without POLLERR, and rsend fails EPIPE. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -235,6 +236,11 @@ static int server(int port, pid_t child)
 	CHECK(waitpid(child, &status, 0) == child, "waitpid");
 	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "client exited %d", status);
 	CHECK(rrecv(rs, buf, sizeof buf, 0) == 0, "end of stream after rclose");
+	/* A hang-up, not an error, as librdmacm's rsockets report it (its receives, flushed when
+	 * the connection went, are no failure of the connection). */
+	struct pollfd hup = { .fd = rs, .events = POLLIN | POLLOUT };
+	CHECK(rpoll(&hup, 1, 1000) == 1 && (hup.revents & POLLHUP) && !(hup.revents & POLLERR),
+	      "rpoll after the peer closed: revents %#x", hup.revents);
 	ssize_t n = 0;
 	for (int i = 0; i < 300 && (n = rsend(rs, "q", 1, 0)) == 1; i++)
 		usleep(10000);
