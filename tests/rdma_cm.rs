@@ -507,6 +507,40 @@ fn a_port_nobody_listens_on_is_rejected() {
     assert_eq!(unsafe { rdma_destroy_id(id) }, 0);
 }
 
+/// Something that is not a CM listens on the port, takes the connection and never answers
+/// (a stopped peer process would do the same): the REQ's answer is awaited as long as the IB
+/// CM retries a REQ (20 s), then the id is UNREACHABLE with ETIMEDOUT, as under the kernel's
+/// CM, instead of waiting for good.
+#[test]
+fn a_listener_that_never_answers_the_req_is_unreachable_after_the_cm_timeout() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let holder = std::thread::spawn(move || {
+        let held = silent.accept();
+        std::thread::sleep(Duration::from_secs(35));
+        drop(held);
+    });
+    let client = Cm::new();
+    let id = client.resolved(port);
+    let mut p = conn_param(&[]);
+    p.qp_num = 1;
+    let started = Instant::now();
+    assert_eq!(unsafe { rdma_connect(id, &mut p) }, 0);
+    assert!(
+        !readable_within(client.ch, 15_000),
+        "an event before the CM's timeout"
+    );
+    let ev = expect(client.ch, K::RDMA_CM_EVENT_UNREACHABLE);
+    assert_eq!(ev.status, -libc::ETIMEDOUT);
+    let waited = started.elapsed();
+    assert!(
+        (Duration::from_secs(19)..Duration::from_secs(30)).contains(&waited),
+        "{waited:?}"
+    );
+    assert_eq!(unsafe { rdma_destroy_id(id) }, 0);
+    drop(holder);
+}
+
 /// A client id connected to an `rping -s` process (which then waits for the client's first
 /// SEND), with two receives (wr_id 11 and 12) posted on its QP.
 struct RpingConnection {

@@ -95,6 +95,10 @@ pub(super) fn run_active_link(id: Arc<CmId>, sock: Socket, remote: SocketAddr, r
     if let Err(e) = send_message(&link, &req) {
         tracing::debug!("cm: cannot send REQ: {e}");
     }
+    // The answer (REP or REJ) is awaited as long as a REQ is retried: a peer that accepted
+    // the connection but never answers (a process that stopped, a service on that port that
+    // is not a CM) leaves the id UNREACHABLE, not waiting for good.
+    let _ = link.set_read_timeout(Some(CONNECT_TIMEOUT));
     serve_link(id, link);
 }
 
@@ -125,11 +129,32 @@ fn connect_patiently(mut sock: Socket, remote: SocketAddr, id: &CmId) -> io::Res
     }
 }
 
-/// The per-connection thread: reads CM messages for `id` until the connection closes.
+/// The per-connection thread: reads CM messages for `id` until the connection closes. A read
+/// timeout set on the connection (the active side's, for the answer to its REQ) holds only
+/// while the id still waits for that answer.
 pub(super) fn serve_link(id: Arc<CmId>, link: Arc<TcpStream>) {
+    let mut timed = link.read_timeout().ok().flatten().is_some();
     loop {
-        match Message::read_from(&*link) {
+        let read = Message::read_from(&*link);
+        if timed && id.phase() != Phase::Connecting {
+            timed = false;
+            let _ = link.set_read_timeout(None);
+        }
+        match read {
             Ok(msg) => id.on_message(msg),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                if id.phase() == Phase::Connecting {
+                    tracing::debug!("cm: no answer to the REQ within {CONNECT_TIMEOUT:?}");
+                    id.on_reply_timeout();
+                    let _ = link.shutdown(Shutdown::Both);
+                    return;
+                }
+            }
             Err(e) => {
                 tracing::debug!("cm: connection closed: {e}");
                 id.on_link_closed();
@@ -239,6 +264,23 @@ impl CmId {
     }
 
     /// The CM connection closed (the peer shut it down or its process died).
+    /// No answer to the REQ in time: UNREACHABLE with ETIMEDOUT, as when the IB CM's REQ
+    /// retries run out.
+    fn on_reply_timeout(self: &Arc<Self>) {
+        let mut s = self.state();
+        if s.phase != Phase::Connecting {
+            return;
+        }
+        s.phase = Phase::Failed;
+        s.link = None;
+        drop(s);
+        self.emit(
+            EventKind::Unreachable,
+            -libc::ETIMEDOUT,
+            ConnParam::default(),
+        );
+    }
+
     fn on_link_closed(self: &Arc<Self>) {
         let mut s = self.state();
         let phase = s.phase;
