@@ -263,7 +263,6 @@ impl CmId {
         }
     }
 
-    /// The CM connection closed (the peer shut it down or its process died).
     /// No answer to the REQ in time: UNREACHABLE with ETIMEDOUT, as when the IB CM's REQ
     /// retries run out.
     fn on_reply_timeout(self: &Arc<Self>) {
@@ -281,6 +280,7 @@ impl CmId {
         );
     }
 
+    /// The CM connection closed (the peer shut it down or its process died).
     fn on_link_closed(self: &Arc<Self>) {
         let mut s = self.state();
         let phase = s.phase;
