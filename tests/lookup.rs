@@ -178,21 +178,6 @@ impl Holder {
     }
 }
 
-/// A field of /proc/PID/status in kB (VmRSS, VmHWM).
-fn status_kb(pid: i32, field: &str) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-}
-
-fn open_fds(pid: i32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .count()
-}
-
 /// Asks the lookup service at `addr` for `lid` as a peer with the secret does; the answer
 /// and how long it took.
 fn ask(addr: SocketAddr, lid: u16) -> (String, Duration) {
@@ -219,7 +204,7 @@ fn slow_endless_and_many_clients_do_not_hold_up_lookups() {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let expected = holder.answer();
     assert_eq!(ask(addr, holder.lid).0, expected, "the service answers");
-    let (hwm0, fds0) = (status_kb(holder.pid, "VmHWM"), open_fds(holder.pid));
+    let (hwm0, fds0) = (proc_status(holder.pid, "VmHWM"), open_fds(holder.pid));
 
     // Megabytes without a newline, as fast as the socket takes them.
     const ENDLESS_CAP: usize = 128 << 20;
@@ -299,7 +284,7 @@ fn slow_endless_and_many_clients_do_not_hold_up_lookups() {
             && t < REQUEST_TIMEOUT + Duration::from_millis(1500)),
         "the slow client was not dropped at its deadline ({REQUEST_TIMEOUT:?}): {closed_after:?}"
     );
-    let hwm = status_kb(holder.pid, "VmHWM");
+    let hwm = proc_status(holder.pid, "VmHWM");
     assert!(
         hwm < hwm0 + 16 * 1024,
         "the service grew: peak RSS {hwm} kB, {hwm0} kB before"

@@ -110,16 +110,7 @@ fn rping_across_two_hosts() {
 
 /// The threads of process `pid` and its open descriptors.
 fn threads_and_fds(pid: i32) -> (usize, usize) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    let threads = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("Threads:");
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .expect("fd")
-        .count();
-    (threads, fds)
+    (proc_status(pid, "Threads") as usize, open_fds(pid))
 }
 
 /// Under the kernel's CM a connection request costs the listening application nothing until

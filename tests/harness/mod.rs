@@ -14,6 +14,22 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// A number field of /proc/PID/status (`VmRSS`, `VmHWM` in kB; `Threads`).
+pub fn proc_status(pid: i32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// The descriptors process `pid` has open.
+pub fn open_fds(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
 /// `target/<profile>/libugdr.so`, next to the `ugdr` binary cargo built for this test.
 pub fn lib_path() -> PathBuf {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_ugdr"));
