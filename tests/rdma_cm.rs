@@ -428,6 +428,8 @@ fn rdma_disconnect_works_before_the_answer_after_a_reject_and_after_a_failure() 
 
 #[test]
 fn a_non_blocking_channel_reports_eagain_and_polls_readable_only_with_an_event() {
+    // Asked for reading and writing: the kernel's rdma_cm file is never writable (an event
+    // loop that also watches it for writing must not spin), and readable only with an event.
     let cm = Cm::new();
     let fd = unsafe { (*cm.ch).fd };
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
@@ -440,13 +442,14 @@ fn a_non_blocking_channel_reports_eagain_and_polls_readable_only_with_an_event()
     assert_eq!(errno(), libc::EAGAIN);
     let mut pfd = libc::pollfd {
         fd,
-        events: libc::POLLIN,
+        events: libc::POLLIN | libc::POLLOUT,
         revents: 0,
     };
     assert_eq!(
         unsafe { libc::poll(&mut pfd, 1, 0) },
         0,
-        "readable without an event"
+        "ready without an event: {:#x}",
+        pfd.revents
     );
     // A wildcard bind leaves the id without a device (SPDK checks this); a concrete one
     // attaches it.
@@ -474,6 +477,7 @@ fn a_non_blocking_channel_reports_eagain_and_polls_readable_only_with_an_event()
         0
     );
     assert_eq!(unsafe { libc::poll(&mut pfd, 1, 5000) }, 1);
+    assert_eq!(pfd.revents, libc::POLLIN, "readable, not writable");
     assert_eq!(unsafe { rdma_get_cm_event(cm.ch, &mut ev) }, 0);
     assert_eq!(unsafe { (*ev).event }, K::RDMA_CM_EVENT_ADDR_RESOLVED);
     assert_eq!(unsafe { rdma_ack_cm_event(ev) }, 0);

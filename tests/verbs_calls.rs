@@ -715,6 +715,84 @@ fn completion_channel_fires_without_polling_and_respects_arming() {
     }
 }
 
+/// What `poll` says of `fd` right now, asked for reading and writing (0: nothing ready).
+fn ready_now(fd: c_int) -> i16 {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN | libc::POLLOUT,
+        revents: 0,
+    };
+    assert!(unsafe { libc::poll(&mut pfd, 1, 0) } >= 0);
+    pfd.revents
+}
+
+/// Whether an epoll set that watches `fd` for EPOLLIN | EPOLLOUT (as SPDK's NVMe-oF target
+/// watches a completion channel in interrupt mode) wakes up now.
+fn epoll_wakes(fd: c_int) -> bool {
+    unsafe {
+        let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+        assert!(ep >= 0);
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLOUT) as u32,
+            u64: 0,
+        };
+        assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
+        let n = libc::epoll_wait(ep, &mut ev, 1, 0);
+        libc::close(ep);
+        n == 1
+    }
+}
+
+#[test]
+fn event_fds_are_readable_only_while_an_event_waits_and_never_writable() {
+    // The kernel's completion-channel and async-event files poll readable while an event is
+    // queued and are never writable: an event loop that also watches them for writing (SPDK's
+    // target registers its completion channels for EPOLLIN | EPOLLOUT) must not spin.
+    let dev = Device::open();
+    unsafe {
+        let ch = ibv_create_comp_channel(dev.ctx);
+        assert!(!ch.is_null());
+        let fd = (*ch).fd;
+        let async_fd = (*dev.ctx).async_fd;
+        assert_eq!(ready_now(fd), 0, "an empty completion channel");
+        assert!(!epoll_wakes(fd), "an empty completion channel wakes epoll");
+        assert_eq!(ready_now(async_fd), 0, "an empty async-event fd");
+        assert!(
+            !epoll_wakes(async_fd),
+            "an empty async-event fd wakes epoll"
+        );
+        let cq = ibv_create_cq(dev.ctx, 16, null_mut(), ch, 0);
+        assert!(!cq.is_null());
+        let qp = dev.rc_qp(cq, cq, 8);
+        connect(qp, dev.lid, qp_num(qp));
+        let buf = Buffer::new(&dev, 64, LOCAL_WRITE);
+        assert_eq!(req_notify_cq(cq, 0), 0);
+        assert_eq!(post_one_recv(qp, 1, &mut [buf.sge(32, 8)]), 0);
+        let mut sge = [buf.sge(0, 8)];
+        assert_eq!(
+            post_one_send(qp, &mut send_wr(2, &mut sge, SEND, SIGNALED)),
+            0
+        );
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        assert_eq!(libc::poll(&mut pfd, 1, 10_000), 1, "no completion event");
+        assert_eq!(ready_now(fd), libc::POLLIN, "a channel with an event");
+        let (mut ev_cq, mut ev_ctx) = (null_mut(), null_mut());
+        assert_eq!(ibv_get_cq_event(ch, &mut ev_cq, &mut ev_ctx), 0);
+        assert_eq!(ev_cq, cq);
+        ibv_ack_cq_events(cq, 1);
+        assert_eq!(ready_now(fd), 0, "the event was taken");
+        assert!(!epoll_wakes(fd));
+        assert_eq!(poll_n(cq, 2).len(), 2);
+        ibv_destroy_qp(qp);
+        ibv_destroy_cq(cq);
+        assert_eq!(ibv_destroy_comp_channel(ch), 0);
+    }
+}
+
 #[test]
 fn cq_overrun_raises_cq_err_async_event() {
     let dev = Device::open();

@@ -1,29 +1,46 @@
-//! A queue of events behind a real, pollable file descriptor: one byte per event on a
-//! socketpair, so applications can `poll()`/`select()` the fd, make it non-blocking, or block
-//! in a read, exactly as with the kernel's completion-channel and async-event fds.
+//! A queue of events behind a real, pollable file descriptor: one byte per event in a pipe,
+//! so applications can `poll()`/`select()`/`epoll` the fd, make it non-blocking, or block in a
+//! read, exactly as with the kernel's completion-channel, async-event and rdma_cm fds. A pipe's
+//! read end, as those files, is readable while an event waits and never writable (a socket
+//! always is: an event loop that also watches the fd for writing, as SPDK's NVMe-oF target
+//! does in interrupt mode, would never sleep).
 
 use super::VerbsError;
 use nix::errno::Errno;
-use nix::sys::socket::{MsgFlags, recv};
+use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use std::collections::VecDeque;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::net::UnixStream;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Mutex;
 
 pub struct EventQueue<T> {
-    /// The end the application reads (its fd is what the application sees).
-    reader: UnixStream,
-    writer: UnixStream,
+    /// The read end the application sees: blocking unless the application changes that.
+    reader: OwnedFd,
+    /// The same pipe opened again (its own file description, always non-blocking whatever
+    /// the application does to `reader`): taking without waiting, and discarding.
+    reader_nowait: OwnedFd,
+    writer: OwnedFd,
     events: Mutex<VecDeque<T>>,
 }
 
 impl<T> EventQueue<T> {
     pub fn new() -> Result<EventQueue<T>, VerbsError> {
-        let (reader, writer) = UnixStream::pair()?;
-        writer.set_nonblocking(true)?;
+        let (reader, writer) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(errno)?;
+        fcntl(writer.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK)).map_err(errno)?;
+        // Opening a pipe through /proc gives a new open file description of it, with flags
+        // of its own (a dup would share the application's O_NONBLOCK).
+        let reader_nowait: OwnedFd = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(format!("/proc/self/fd/{}", reader.as_raw_fd()))
+            .map_err(|e| {
+                tracing::warn!("event fd: cannot reopen a pipe through /proc/self/fd: {e}");
+                e
+            })?
+            .into();
         Ok(EventQueue {
             reader,
+            reader_nowait,
             writer,
             events: Mutex::new(VecDeque::new()),
         })
@@ -38,9 +55,9 @@ impl<T> EventQueue<T> {
     pub fn push(&self, event: T) {
         let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
         q.push_back(event);
-        // One byte per event; the socket buffer holds far more events than the bounded
-        // sources (armed CQs, QP errors) can produce between two reads.
-        if let Err(e) = (&self.writer).write(&[1u8]) {
+        // One byte per event; the pipe holds 64 Ki of them, far more than the bounded sources
+        // (armed CQs, QP errors, connection events) can produce between two reads.
+        if let Err(e) = nix::unistd::write(&self.writer, &[1u8]) {
             tracing::warn!("event fd {}: cannot signal event: {e}", self.fd());
         }
     }
@@ -57,11 +74,11 @@ impl<T> EventQueue<T> {
     pub fn wait_with(&self, on_take: impl Fn(&T)) -> Result<T, VerbsError> {
         loop {
             let mut byte = [0u8; 1];
-            match (&self.reader).read(&mut byte) {
+            match nix::unistd::read(self.reader.as_raw_fd(), &mut byte) {
                 Ok(1) => {}
                 Ok(_) => return Err(VerbsError::Os(libc::EIO)),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.into()),
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(errno(e)),
             }
             let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(ev) = q.pop_front() {
@@ -82,7 +99,7 @@ impl<T> EventQueue<T> {
     pub fn try_wait_with(&self, on_take: impl Fn(&T)) -> Result<Option<T>, VerbsError> {
         loop {
             let mut byte = [0u8; 1];
-            match recv(self.reader.as_raw_fd(), &mut byte, MsgFlags::MSG_DONTWAIT) {
+            match nix::unistd::read(self.reader_nowait.as_raw_fd(), &mut byte) {
                 Ok(1) => {}
                 Ok(_) => return Err(VerbsError::Os(libc::EIO)),
                 Err(Errno::EINTR) => continue,
@@ -99,10 +116,8 @@ impl<T> EventQueue<T> {
 
     /// Whether the application made the fd non-blocking (then waiting is EAGAIN instead).
     pub fn is_nonblocking(&self) -> bool {
-        nix::fcntl::fcntl(self.reader.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL)
-            .map(|f| {
-                nix::fcntl::OFlag::from_bits_truncate(f).contains(nix::fcntl::OFlag::O_NONBLOCK)
-            })
+        fcntl(self.reader.as_raw_fd(), FcntlArg::F_GETFL)
+            .map(|f| OFlag::from_bits_truncate(f).contains(OFlag::O_NONBLOCK))
             .unwrap_or(true)
     }
 
@@ -124,17 +139,17 @@ impl<T> EventQueue<T> {
         let mut bytes = [0u8; 64];
         while dropped > 0 {
             let want = dropped.min(bytes.len());
-            match nix::sys::socket::recv(
-                self.reader.as_raw_fd(),
-                &mut bytes[..want],
-                nix::sys::socket::MsgFlags::MSG_DONTWAIT,
-            ) {
+            match nix::unistd::read(self.reader_nowait.as_raw_fd(), &mut bytes[..want]) {
                 Ok(0) => break,
                 Ok(n) => dropped -= n,
-                Err(nix::errno::Errno::EINTR) => {}
+                Err(Errno::EINTR) => {}
                 Err(_) => break,
             }
         }
         taken.into()
     }
+}
+
+fn errno(e: Errno) -> VerbsError {
+    VerbsError::Os(e as i32)
 }

@@ -112,8 +112,8 @@ pub(super) fn free_channel_shell(ch: *mut rdma_event_channel) {
         channel.set_shell(0);
         if channel.has_waiters() {
             // Another thread is blocked reading this channel. With the kernel's CM it stays
-            // blocked (its read holds the file open); closing our socket pair would wake it
-            // with an error instead, so its two fds stay open.
+            // blocked (its read holds the file open); closing our pipe would wake it with an
+            // end of file instead, so its fds stay open.
             std::mem::forget(channel);
         }
     }
