@@ -108,3 +108,17 @@ fn atomic_write_lands_whole_and_in_order() {
     let exe = build_c("atomic_write", &["-libverbs"]);
     run_under_ugdr(&exe, "atomic_write");
 }
+
+/// An application thread pinned to one CPU (a DPDK/SPDK reactor) that opens the device
+/// starts ugdr's progress thread, which must not inherit that pinning: it runs on the CPUs the
+/// process started on (tests/c/pinned_app.c), and the application's pinning is left alone.
+#[test]
+fn the_progress_thread_runs_on_the_processs_cpus_not_its_pinned_creators() {
+    let exe = build_c("pinned_app", &["-libverbs"]);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus < 2 {
+        eprintln!("skipped: this process may run on one CPU only, nothing to tell apart");
+        return;
+    }
+    run_under_ugdr(&exe, "pinned_app");
+}

@@ -22,6 +22,8 @@
 
 use super::Engine;
 use crate::ucp::{self, Worker};
+use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+use nix::unistd::Pid;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -288,6 +290,38 @@ fn pause(mode: ProgressMode, activity: &Activity, calm_after: &mut Option<Instan
     }
 }
 
+/// The CPUs the process was started on, before the application pinned any of its threads
+/// (the library's constructor records them; unknown when ugdr is used as a Rust library).
+static LAUNCH_CPUS: std::sync::OnceLock<CpuSet> = std::sync::OnceLock::new();
+
+/// Records the calling thread's CPUs as the process's own (from the library's constructor,
+/// which runs before the application's `main`).
+pub fn remember_launch_cpus() {
+    if let Ok(cpus) = sched_getaffinity(Pid::from_raw(0)) {
+        let _ = LAUNCH_CPUS.set(cpus);
+    }
+}
+
+/// Moves the calling thread onto the CPUs the process was started on. The progress thread is
+/// started by whichever application thread opens the first device, and a thread inherits its
+/// creator's CPUs: under a DPDK or SPDK application, a reactor pinned to one core. There it
+/// could only take that core from its reactor (and wait for the reactor's time slice to end
+/// before each delivery) while other cores sat idle; a `taskset` of the whole process still
+/// holds, since the process started on those CPUs.
+fn run_on_launch_cpus() {
+    let Some(launch) = LAUNCH_CPUS.get() else {
+        return;
+    };
+    let pid = Pid::from_raw(0);
+    if sched_getaffinity(pid).is_ok_and(|now| now == *launch) {
+        return;
+    }
+    match sched_setaffinity(pid, launch) {
+        Ok(()) => tracing::debug!("progress thread: on the CPUs the process started on"),
+        Err(e) => tracing::debug!("progress thread: keeps its creator's CPUs: {e}"),
+    }
+}
+
 /// The progress thread's body: runs until `stopping`.
 pub(super) fn run(
     worker: &Worker,
@@ -295,6 +329,7 @@ pub(super) fn run(
     activity: &Activity,
     config: ProgressConfig,
 ) {
+    run_on_launch_cpus();
     let mode = config.mode;
     let spin = match mode {
         ProgressMode::Adaptive => config.spin,
