@@ -110,15 +110,18 @@ fn atomic_write_lands_whole_and_in_order() {
 }
 
 /// An application thread pinned to one CPU (a DPDK/SPDK reactor) that opens the device
-/// starts ugdr's progress thread, which must not inherit that pinning: it runs on the CPUs the
-/// process started on (tests/c/pinned_app.c), and the application's pinning is left alone.
+/// starts ugdr's progress thread, which must not inherit that pinning: it runs on every CPU
+/// the process's threads may use; a process bound as a whole keeps it within the binding
+/// (tests/c/pinned_app.c). The application's own pinning is left alone in both.
 #[test]
 fn the_progress_thread_runs_on_the_processs_cpus_not_its_pinned_creators() {
-    let exe = build_c("pinned_app", &["-libverbs"]);
+    let exe = build_c("pinned_app", &["-libverbs", "-lpthread"]);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if cpus < 2 {
         eprintln!("skipped: this process may run on one CPU only, nothing to tell apart");
         return;
     }
-    run_under_ugdr(&exe, "pinned_app");
+    for mode in ["reactor", "bound"] {
+        run_checked_under_ugdr(&exe, &[mode], mode, "pinned_app: ok");
+    }
 }

@@ -25,16 +25,3 @@ mod passthrough;
 mod rdma_cm;
 mod rsocket;
 mod ugdr_api;
-
-/// Runs when the library is loaded (before the application's `main` under `LD_PRELOAD`):
-/// records the CPUs the process starts on, for ugdr's progress thread (`engine::progress`).
-extern "C" fn on_load() {
-    crate::engine::remember_launch_cpus();
-}
-
-// SAFETY: an `.init_array` entry is a plain `void (*)(void)` the dynamic loader calls once
-// at load; `on_load` has that signature, takes no lock ugdr holds and cannot unwind (it only
-// calls sched_getaffinity and sets a OnceLock).
-#[used]
-#[unsafe(link_section = ".init_array")]
-static ON_LOAD: extern "C" fn() = on_load;

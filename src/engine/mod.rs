@@ -32,7 +32,7 @@ pub mod wire;
 
 pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, arm_timer, owe_ack};
 pub use error::EngineError;
-pub use progress::{ProgressConfig, ProgressMode, remember_launch_cpus};
+pub use progress::{ProgressConfig, ProgressMode};
 
 use crate::ucp::{self, AmPayload, Endpoint, LockedWorker, Worker};
 use address::{Directory, HostNetwork, LidClaim, Resolved};

@@ -290,34 +290,45 @@ fn pause(mode: ProgressMode, activity: &Activity, calm_after: &mut Option<Instan
     }
 }
 
-/// The CPUs the process was started on, before the application pinned any of its threads
-/// (the library's constructor records them; unknown when ugdr is used as a Rust library).
-static LAUNCH_CPUS: std::sync::OnceLock<CpuSet> = std::sync::OnceLock::new();
-
-/// Records the calling thread's CPUs as the process's own (from the library's constructor,
-/// which runs before the application's `main`).
-pub fn remember_launch_cpus() {
-    if let Ok(cpus) = sched_getaffinity(Pid::from_raw(0)) {
-        let _ = LAUNCH_CPUS.set(cpus);
+/// The CPUs any of the process's threads may run on (the union of their affinities, from
+/// `/proc/self/task`); None when they cannot be read.
+fn process_cpus() -> Option<CpuSet> {
+    let mut union = CpuSet::new();
+    let mut found = false;
+    for entry in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Some(tid) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
+            continue;
+        };
+        let Ok(cpus) = sched_getaffinity(Pid::from_raw(tid)) else {
+            continue; // the thread ended meanwhile
+        };
+        for cpu in 0..CpuSet::count() {
+            if cpus.is_set(cpu).unwrap_or(false) {
+                let _ = union.set(cpu);
+                found = true;
+            }
+        }
     }
+    found.then_some(union)
 }
 
-/// Moves the calling thread onto the CPUs the process was started on. The progress thread is
-/// started by whichever application thread opens the first device, and a thread inherits its
-/// creator's CPUs: under a DPDK or SPDK application, a reactor pinned to one core. There it
-/// could only take that core from its reactor (and wait for the reactor's time slice to end
-/// before each delivery) while other cores sat idle; a `taskset` of the whole process still
-/// holds, since the process started on those CPUs.
-fn run_on_launch_cpus() {
-    let Some(launch) = LAUNCH_CPUS.get() else {
+/// Moves the calling thread onto every CPU the process's threads may use. The progress
+/// thread is started by whichever application thread opens the first device and inherits its
+/// CPUs: under a DPDK or SPDK application, a reactor pinned to one core, where the progress
+/// thread could only take that core from its reactor (and wait for the reactor's time slice
+/// to end before each delivery) while the CPUs DPDK keeps for its control threads sat idle.
+/// A binding of the whole process (`taskset`, an MPI launcher's) still holds: then every
+/// thread has the same CPUs.
+fn run_on_process_cpus() {
+    let Some(cpus) = process_cpus() else {
         return;
     };
-    let pid = Pid::from_raw(0);
-    if sched_getaffinity(pid).is_ok_and(|now| now == *launch) {
+    let me = Pid::from_raw(0);
+    if sched_getaffinity(me).is_ok_and(|now| now == cpus) {
         return;
     }
-    match sched_setaffinity(pid, launch) {
-        Ok(()) => tracing::debug!("progress thread: on the CPUs the process started on"),
+    match sched_setaffinity(me, &cpus) {
+        Ok(()) => tracing::debug!("progress thread: on every CPU of the process's threads"),
         Err(e) => tracing::debug!("progress thread: keeps its creator's CPUs: {e}"),
     }
 }
@@ -329,7 +340,7 @@ pub(super) fn run(
     activity: &Activity,
     config: ProgressConfig,
 ) {
-    run_on_launch_cpus();
+    run_on_process_cpus();
     let mode = config.mode;
     let spin = match mode {
         ProgressMode::Adaptive => config.spin,

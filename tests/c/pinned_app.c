@@ -1,13 +1,18 @@
-/* An application that pins the thread which opens the device to one CPU, as DPDK and SPDK
- * pin their reactors: ugdr's progress thread, which that thread starts, must run on the CPUs
- * the process started on (where it can take an idle core), not on the reactor's one core, and
- * the application's own pinning must stay as the application set it.
- * Prints "pinned_app: ok" and exits 0 when both hold; "pinned_app: one cpu" when the process
- * starts on a single CPU (nothing to tell apart). */
+/* ugdr's progress thread and the application's CPU pinning.
+ *   pinned_app reactor   as DPDK and SPDK: a control thread keeps the CPUs the process started
+ *                        on, the thread that opens the device (a reactor) is pinned to one;
+ *                        the progress thread, which that thread starts, must run on all the
+ *                        process's CPUs (where it can take an idle core), not on the reactor's
+ *   pinned_app bound     the whole process bound to one CPU (as taskset or an MPI launcher
+ *                        binds it): the progress thread stays within the binding
+ * In both the application's own pinning must stay as it set it. Prints "pinned_app: ok" and
+ * exits 0 when all holds; "pinned_app: one cpu" when the process starts on a single CPU
+ * (nothing to tell apart). */
 #define _GNU_SOURCE
 #include <infiniband/verbs.h>
 #include <dirent.h>
 #include <errno.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,8 +47,20 @@ static pid_t thread_named(const char *name)
     return found;
 }
 
-int main(void)
+/* A control thread (DPDK's eal-intr-thread): keeps the CPUs it was started with, waits. */
+static void *control_thread(void *arg)
 {
+    (void)arg;
+    for (;;)
+        pause();
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    CHECK(argc == 2 && (!strcmp(argv[1], "reactor") || !strcmp(argv[1], "bound")),
+          "usage: pinned_app reactor|bound");
+    int reactor = !strcmp(argv[1], "reactor");
     cpu_set_t launch, one, mine, progress;
     CHECK(sched_getaffinity(0, sizeof launch, &launch) == 0, "sched_getaffinity");
     if (CPU_COUNT(&launch) < 2) {
@@ -55,7 +72,13 @@ int main(void)
         first++;
     CPU_ZERO(&one);
     CPU_SET(first, &one);
+    if (reactor) {
+        pthread_t control;
+        CHECK(pthread_create(&control, NULL, control_thread, NULL) == 0, "pthread_create");
+    }
     CHECK(sched_setaffinity(0, sizeof one, &one) == 0, "pin to cpu %d", first);
+    /* What the progress thread must get: all the process's CPUs, or the binding. */
+    cpu_set_t *want = reactor ? &launch : &one;
 
     int n = 0;
     struct ibv_device **list = ibv_get_device_list(&n);
@@ -73,14 +96,13 @@ int main(void)
         int same = 0;
         if (tid) {
             CHECK(sched_getaffinity(tid, sizeof progress, &progress) == 0, "affinity of %d", tid);
-            same = CPU_EQUAL(&progress, &launch);
+            same = CPU_EQUAL(&progress, want);
         }
         if (same)
             break;
         clock_gettime(CLOCK_MONOTONIC, &now);
-        CHECK(now.tv_sec - start.tv_sec < 5,
-              "progress thread %d: %d CPUs allowed, the process started on %d (it has %s)", tid,
-              tid ? CPU_COUNT(&progress) : 0, CPU_COUNT(&launch),
+        CHECK(now.tv_sec - start.tv_sec < 5, "%s: progress thread %d may use %d CPUs, not %d (%s)",
+              argv[1], tid, tid ? CPU_COUNT(&progress) : 0, CPU_COUNT(want),
               tid && CPU_EQUAL(&progress, &one) ? "its creator's one CPU" : "other CPUs");
         usleep(10000);
     }
