@@ -6,7 +6,9 @@
  *
  * Target: rdma_get_devices' context (the same pointer in every cm_id->verbs), one listening
  * id; NPG "poll groups", each one SRQ shared by the RC QPs it owns (rdma_create_qp) and one CQ
- * on its own completion channel (interrupt mode), resized as qpairs come and go. A command
+ * on its own completion channel (interrupt mode: one epoll set, the channels watched for
+ * EPOLLIN | EPOLLOUT as SPDK's reactor watches them, and no fd may wake it but to be read),
+ * resized as qpairs come and go. A command
  * capsule arrives on the SRQ (two receive SGEs: 64-byte command + in-capsule data buffer); the
  * qpair is found by wc.qp_num. Host reads: a chain of two unsignaled RDMA WRITEs (two SGEs
  * each) linked to the signaled response SEND, one ibv_post_send. Host writes: a signaled RDMA
@@ -31,6 +33,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/epoll.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -271,6 +274,24 @@ static void wait_fds(struct pollfd *fds, int n)
     for (int i = 0; i < n; i++)
         CHECK(!(fds[i].revents & (POLLNVAL | POLLHUP | POLLERR)), "fd %d revents %#x", fds[i].fd,
               fds[i].revents);
+}
+
+static void watch(int ep, int fd, uint32_t events)
+{
+    struct epoll_event ev = { .events = events, .data.fd = fd };
+    CHECK(epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) == 0, "epoll_ctl fd %d: %s", fd, strerror(errno));
+}
+
+/* Waits up to 100 ms; every fd that woke it must be readable and nothing else (an event fd
+ * that polls writable would keep an interrupt-mode reactor from ever sleeping). */
+static void wait_epoll(int ep)
+{
+    struct epoll_event evs[8];
+    int got = epoll_wait(ep, evs, 8, 100);
+    CHECK(got >= 0 || errno == EINTR, "epoll_wait: %s", strerror(errno));
+    for (int i = 0; i < got; i++)
+        CHECK(evs[i].events == EPOLLIN, "fd %d woke epoll with events %#x", evs[i].data.fd,
+              evs[i].events);
 }
 
 /* Reads every queued CM event (the channel is non-blocking), hands it to `on` (which returns
@@ -663,12 +684,18 @@ static int target(const char *addr, int port, int want)
     CHECK(rdma_listen(T.listen, 64) == 0, "rdma_listen: %s", strerror(errno));
     printf("spdk_pattern target: listening on %s:%d\n", addr, port);
     fflush(stdout);
+    /* As SPDK's reactor in interrupt mode: one epoll set, the completion channels watched for
+     * EPOLLIN | EPOLLOUT (nvmf_rdma_poller_create), the CM and async fds for EPOLLIN. The
+     * kernel's files are never writable, so a wake-up names a readable fd or none. */
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    CHECK(ep >= 0, "epoll_create1: %s", strerror(errno));
+    watch(ep, T.cm->fd, EPOLLIN);
+    watch(ep, T.ctx->async_fd, EPOLLIN);
+    for (int p = 0; p < NPG; p++)
+        watch(ep, T.pg[p].ch->fd, EPOLLIN | EPOLLOUT);
     T.progress = now_s();
     while (T.destroyed < T.want) {
-        struct pollfd fds[2 + NPG] = { { T.cm->fd, POLLIN, 0 }, { T.ctx->async_fd, POLLIN, 0 } };
-        for (int p = 0; p < NPG; p++)
-            fds[2 + p] = (struct pollfd){ T.pg[p].ch->fd, POLLIN, 0 };
-        wait_fds(fds, 2 + NPG);
+        wait_epoll(ep);
         drain_cm(T.cm, t_cm_event);
         drain_async(T.ctx, t_on_qp_event);
         for (int p = 0; p < NPG; p++)
@@ -691,6 +718,7 @@ static int target(const char *addr, int port, int want)
             fail("no progress for %d s (%d of %d qpairs destroyed)", STALL_S, T.destroyed, T.want);
         }
     }
+    close(ep);
     /* late completions of the last qpairs, and any event still queued, must be harmless */
     usleep(200 * 1000);
     drain_async(T.ctx, t_on_qp_event);
