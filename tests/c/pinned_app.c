@@ -9,19 +9,13 @@
  * exits 0 when all holds; "pinned_app: one cpu" when the process starts on a single CPU
  * (nothing to tell apart). */
 #define _GNU_SOURCE
+#include "checks.h"
 #include <infiniband/verbs.h>
 #include <dirent.h>
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-    fprintf(stderr, __VA_ARGS__); fprintf(stderr, " (errno %d)\n", errno); exit(1); } } while (0)
 
 /* The thread id of this process's thread named `name`, or 0. */
 static pid_t thread_named(const char *name)
@@ -60,6 +54,7 @@ int main(int argc, char **argv)
 {
     CHECK(argc == 2 && (!strcmp(argv[1], "reactor") || !strcmp(argv[1], "bound")),
           "usage: pinned_app reactor|bound");
+    scenario = argv[1];
     int reactor = !strcmp(argv[1], "reactor");
     cpu_set_t launch, one, mine, progress;
     CHECK(sched_getaffinity(0, sizeof launch, &launch) == 0, "sched_getaffinity");
@@ -101,8 +96,8 @@ int main(int argc, char **argv)
         if (same)
             break;
         clock_gettime(CLOCK_MONOTONIC, &now);
-        CHECK(now.tv_sec - start.tv_sec < 5, "%s: progress thread %d may use %d CPUs, not %d (%s)",
-              argv[1], tid, tid ? CPU_COUNT(&progress) : 0, CPU_COUNT(want),
+        CHECK(now.tv_sec - start.tv_sec < 5, "progress thread %d may use %d CPUs, not %d (%s)",
+              tid, tid ? CPU_COUNT(&progress) : 0, CPU_COUNT(want),
               tid && CPU_EQUAL(&progress, &one) ? "its creator's one CPU" : "other CPUs");
         usleep(10000);
     }
