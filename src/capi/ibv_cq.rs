@@ -423,13 +423,25 @@ fn to_ibv_wc(w: &WorkCompletion) -> ibv_wc {
     }
 }
 
+/// Polls into the caller's array; on an empty CQ the engine progresses from this thread
+/// and the CQ is polled again (`CompletionQueue::poll_progressing`).
 fn poll_into(shell: &CqShell, max: usize, wc: *mut ibv_wc) -> usize {
     let mut i = 0;
-    shell.inner.poll(max, |w| {
-        // SAFETY: the caller's array holds `max` entries and `i < max`.
-        unsafe { wc.add(i).write(to_ibv_wc(w)) };
-        i += 1;
-    })
+    shell.inner.poll_progressing(
+        max,
+        |w| {
+            // SAFETY: the caller's array holds `max` entries and `i < max`.
+            unsafe { wc.add(i).write(to_ibv_wc(w)) };
+            i += 1;
+        },
+        progress_from_app,
+    )
+}
+
+fn progress_from_app() {
+    if let Some(engine) = Engine::running() {
+        engine.progress_from_app();
+    }
 }
 
 /// `ibv_context_ops.poll_cq` (the `ibv_poll_cq` inline): count, or negative on error.
@@ -446,16 +458,7 @@ pub(crate) unsafe extern "C" fn poll_cq(
         if num_entries < 0 || (num_entries > 0 && wc.is_null()) {
             return -1;
         }
-        let max = num_entries as usize;
-        let mut n = poll_into(shell, max, wc);
-        if n == 0
-            && max > 0
-            && let Some(engine) = Engine::running()
-        {
-            engine.progress_from_app();
-            n = poll_into(shell, max, wc);
-        }
-        n as c_int
+        poll_into(shell, num_entries as usize, wc) as c_int
     })
 }
 
@@ -484,13 +487,9 @@ unsafe fn cq_ex<'a>(cq: *mut ibv_cq_ex) -> &'a CqShell {
 
 fn take_current(shell: &CqShell) -> c_int {
     let mut next = None;
-    let mut got = shell.inner.poll(1, |w| next = Some(*w));
-    if got == 0
-        && let Some(engine) = Engine::running()
-    {
-        engine.progress_from_app();
-        got = shell.inner.poll(1, |w| next = Some(*w));
-    }
+    let got = shell
+        .inner
+        .poll_progressing(1, |w| next = Some(*w), progress_from_app);
     // SAFETY: `current` and the public wr_id/status are only touched by the one thread that
     // polls this CQ between start_poll and end_poll (the API's rule).
     unsafe {

@@ -530,23 +530,20 @@ pub unsafe extern "C" fn ugdr_poll_cq(
             set_errno(libc::EINVAL);
             return -libc::EINVAL;
         }
-        let max = num_entries as usize;
-        let poll = || {
-            let mut i = 0;
-            c.inner.poll(max, |w| {
-                // SAFETY: the caller's array of `num_entries` entries; i < max.
+        let mut i = 0;
+        let n = c.inner.poll_progressing(
+            num_entries as usize,
+            |w| {
+                // SAFETY: the caller's array of `num_entries` entries; i < num_entries.
                 unsafe { wc.add(i).write(to_wc(w)) };
                 i += 1;
-            })
-        };
-        let mut n = poll();
-        if n == 0
-            && max > 0
-            && let Some(engine) = Engine::running()
-        {
-            engine.progress_from_app();
-            n = poll();
-        }
+            },
+            || {
+                if let Some(engine) = Engine::running() {
+                    engine.progress_from_app();
+                }
+            },
+        );
         n as c_int
     })
 }

@@ -6,7 +6,7 @@ use super::context::{DeviceContext, EVENT_CQ_ERR};
 use super::event_queue::EventQueue;
 use super::work::{WcStatus, WorkCompletion};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// A completion channel (`ibv_comp_channel`): delivers "CQ has a completion" events, one per
@@ -55,6 +55,23 @@ struct Ring {
     capacity: usize,
     arming: Arming,
     overrun: bool,
+    /// Polls of this CQ that are progressing the engine right now
+    /// ([`CompletionQueue::poll_progressing`]).
+    progressing: u32,
+    /// The arming that a completion added during such a poll took: its event waits for the
+    /// poll's outcome.
+    held: Option<Arming>,
+}
+
+impl Arming {
+    /// The arming of a CQ armed both ways (`Any` covers `SolicitedOnly`).
+    fn with(self, other: Arming) -> Arming {
+        match (self, other) {
+            (Arming::Any, _) | (_, Arming::Any) => Arming::Any,
+            (Arming::SolicitedOnly, _) | (_, Arming::SolicitedOnly) => Arming::SolicitedOnly,
+            _ => Arming::Off,
+        }
+    }
 }
 
 /// Which clocks a CQ stamps its completions with (`ibv_create_cq_ex` wc_flags).
@@ -80,6 +97,9 @@ pub struct CompletionQueue {
     /// lock): a poll that finds it 0 returns without taking the lock, as polling an empty
     /// hardware CQ reads one CQE's owner bit.
     queued: AtomicUsize,
+    /// Whether the CQ is armed, as of its arming's last change (written under the ring's
+    /// lock): a poll of a CQ that no event can fire for holds none back.
+    armed: AtomicBool,
     users: AtomicUsize,
     events: Mutex<(u64, u64)>, // (delivered, acknowledged)
     events_acked: Condvar,
@@ -115,8 +135,11 @@ impl CompletionQueue {
                 capacity,
                 arming: Arming::Off,
                 overrun: false,
+                progressing: 0,
+                held: None,
             }),
             queued: AtomicUsize::new(0),
+            armed: AtomicBool::new(false),
             users: AtomicUsize::new(0),
             events: Mutex::new((0, 0)),
             events_acked: Condvar::new(),
@@ -186,28 +209,89 @@ impl CompletionQueue {
             Arming::SolicitedOnly => solicited || wc.status != WcStatus::Success,
         };
         if fire {
-            ring.arming = Arming::Off;
+            let was = ring.arming;
+            self.set_arming(ring, Arming::Off);
+            if ring.progressing > 0 && ring.held.is_none() {
+                ring.held = Some(was);
+                return false;
+            }
         }
         fire
     }
 
+    fn set_arming(&self, ring: &mut Ring, arming: Arming) {
+        ring.arming = arming;
+        self.armed.store(arming != Arming::Off, Ordering::Relaxed);
+    }
+
     fn notify_if(&self, notify: bool) {
         if notify && let Some(ch) = &self.channel {
-            ch.events.push(self.handle());
+            let deferred = DEFERRED_EVENTS.with(|d| match &mut *d.borrow_mut() {
+                Some(events) => {
+                    events.push((Arc::clone(ch), self.handle()));
+                    true
+                }
+                None => false,
+            });
+            if !deferred {
+                ch.events.push(self.handle());
+            }
         }
     }
 
     /// Takes up to `max` completions, oldest first.
-    pub fn poll(&self, max: usize, mut sink: impl FnMut(&WorkCompletion)) -> usize {
+    pub fn poll(&self, max: usize, sink: impl FnMut(&WorkCompletion)) -> usize {
         if self.queued.load(Ordering::Acquire) == 0 {
             return 0; // as if polled a moment before a completion being added now
         }
-        let mut ring = self.ring();
+        self.take(&mut self.ring(), max, sink)
+    }
+
+    fn take(&self, ring: &mut Ring, max: usize, mut sink: impl FnMut(&WorkCompletion)) -> usize {
         let n = max.min(ring.entries.len());
         for wc in ring.entries.drain(..n) {
             sink(&wc);
         }
         self.queued.store(ring.entries.len(), Ordering::Release);
+        n
+    }
+
+    /// `ibv_poll_cq`: [`CompletionQueue::poll`], and on an empty CQ `progress` (the engine
+    /// delivering, from the polling thread, what waits at this process) and a second poll.
+    ///
+    /// An event that a completion added meanwhile would fire waits for the second poll. When
+    /// that poll took every completion the event is dropped and the CQ stays armed: this very
+    /// call returns them, as if they had been queued before the arming (their messages had
+    /// reached the process; only ugdr had not taken them in). Otherwise it fires. Hardware
+    /// writes a CQE when its packet arrives, whatever the application does; here a message
+    /// waiting in UCX becomes a completion the instant the application polls, which is always
+    /// after it re-armed, so every such completion raised an event for a CQ the same poll
+    /// had just emptied: a stale wake-up for every event-driven application, and an error for
+    /// one that polls only after an event and takes it to mean a completion waits
+    /// (`ibv_rc_pingpong -t -e`: "poll CQ failed 2").
+    pub fn poll_progressing(
+        &self,
+        max: usize,
+        mut sink: impl FnMut(&WorkCompletion),
+        progress: impl FnOnce(),
+    ) -> usize {
+        let n = self.poll(max, &mut sink);
+        if n > 0 || max == 0 {
+            return n;
+        }
+        if !self.armed.load(Ordering::Relaxed) {
+            // Nothing can fire (an arming from another thread meanwhile fires as it would
+            // have without this poll).
+            progress();
+            return self.poll(max, sink);
+        }
+        let held = HeldEvent::start(self);
+        progress();
+        let mut ring = self.ring();
+        let n = self.take(&mut ring, max, sink);
+        let notify = held.resolve(&mut ring);
+        drop(ring);
+        self.notify_if(notify);
         n
     }
 
@@ -232,10 +316,11 @@ impl CompletionQueue {
             return Ok(());
         }
         let mut ring = self.ring();
-        ring.arming = match (ring.arming, solicited_only) {
+        let arming = match (ring.arming, solicited_only) {
             (Arming::Any, _) | (_, false) => Arming::Any,
             _ => Arming::SolicitedOnly,
         };
+        self.set_arming(&mut ring, arming);
         Ok(())
     }
 
@@ -302,6 +387,91 @@ impl CompletionQueue {
     }
 }
 
+/// Events to tell: each channel with the CQ handle its event carries.
+type ChannelEvents = Vec<(Arc<CompletionChannel>, usize)>;
+
+thread_local! {
+    /// The completion events of a [`with_events_deferred`] scope of this thread, in order.
+    static DEFERRED_EVENTS: std::cell::RefCell<Option<ChannelEvents>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` (the handling of one arriving message), telling the completion channels of the
+/// events its completions fire only when it is done: a message that both acknowledges a
+/// SEND and brings the next one completes both before its event wakes the application, as a
+/// HCA raises its event after writing the CQE. Told as they fired, the application woke on
+/// the first, re-armed and polled while the second was being added, which then fired a
+/// second event for a completion its poll took: an event with nothing behind it
+/// (`ibv_rc_pingpong -t -e` failed on it). A nested scope leaves the telling to the outer.
+pub fn with_events_deferred<R>(f: impl FnOnce() -> R) -> R {
+    struct Scope;
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            let events = DEFERRED_EVENTS
+                .with(|d| d.borrow_mut().take())
+                .unwrap_or_default();
+            for (channel, handle) in events {
+                channel.events.push(handle);
+            }
+        }
+    }
+    let outer = DEFERRED_EVENTS.with(|d| {
+        let mut d = d.borrow_mut();
+        let outer = d.is_none();
+        if outer {
+            *d = Some(Vec::new());
+        }
+        outer
+    });
+    // Not `outer.then_some(Scope)`: that builds (and drops, telling early) a Scope for a
+    // nested call too.
+    let _scope = if outer { Some(Scope) } else { None };
+    f()
+}
+
+/// A poll progressing for its CQ ([`CompletionQueue::poll_progressing`]): events wait until
+/// it resolves them (or fire, should it unwind).
+struct HeldEvent<'a> {
+    cq: &'a CompletionQueue,
+    resolved: bool,
+}
+
+impl<'a> HeldEvent<'a> {
+    fn start(cq: &'a CompletionQueue) -> HeldEvent<'a> {
+        cq.ring().progressing += 1;
+        HeldEvent {
+            cq,
+            resolved: false,
+        }
+    }
+
+    /// Ends the hold after the poll; whether the held event fires (the poll left completions).
+    fn resolve(mut self, ring: &mut Ring) -> bool {
+        self.resolved = true;
+        ring.progressing -= 1;
+        match ring.held.take() {
+            Some(arming) if ring.entries.is_empty() => {
+                self.cq.set_arming(ring, ring.arming.with(arming));
+                false
+            }
+            Some(_) => true,
+            None => false,
+        }
+    }
+}
+
+impl Drop for HeldEvent<'_> {
+    fn drop(&mut self) {
+        if !self.resolved {
+            let mut ring = self.cq.ring();
+            ring.progressing -= 1;
+            let notify = ring.held.take().is_some();
+            drop(ring);
+            self.cq.notify_if(notify);
+        }
+    }
+}
+
 /// Pushes to one CQ under one hold of its lock ([`CompletionQueue::batch`]).
 pub struct PushBatch<'a> {
     cq: &'a CompletionQueue,
@@ -362,5 +532,93 @@ mod tests {
         assert_eq!(channel.events.try_wait().unwrap(), None);
         assert_eq!(cq.poll(8, |w| polled.push(w.wr_id)), 1);
         assert_eq!(polled, [1, 2, 3, 5]);
+    }
+
+    fn armed_cq() -> (Arc<CompletionChannel>, Arc<CompletionQueue>) {
+        let context = Arc::new(DeviceContext::new().expect("context"));
+        let channel = CompletionChannel::new(Arc::clone(&context)).expect("channel");
+        let cq = CompletionQueue::new(context, 8, Some(Arc::clone(&channel)));
+        cq.set_handle(0xa);
+        cq.arm(false).unwrap();
+        (channel, cq)
+    }
+
+    #[test]
+    fn a_poll_that_takes_what_its_own_progress_completed_fires_no_event_and_leaves_the_cq_armed() {
+        let (channel, cq) = armed_cq();
+        let mut polled = Vec::new();
+        let n = cq.poll_progressing(4, |w| polled.push(w.wr_id), || cq.push(wc(1), true));
+        assert_eq!((n, &polled[..]), (1, &[1][..]));
+        assert_eq!(channel.events.try_wait().unwrap(), None, "no stale event");
+        // Still armed: the next completion fires.
+        cq.push(wc(2), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        assert_eq!(channel.events.try_wait().unwrap(), None, "once");
+    }
+
+    #[test]
+    fn a_poll_that_leaves_completions_its_progress_added_fires_their_event() {
+        let (channel, cq) = armed_cq();
+        let mut polled = Vec::new();
+        let progress = || {
+            cq.push(wc(1), true);
+            cq.push(wc(2), true);
+        };
+        assert_eq!(
+            cq.poll_progressing(1, |w| polled.push(w.wr_id), progress),
+            1
+        );
+        assert_eq!(polled, [1]);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        assert_eq!(channel.events.try_wait().unwrap(), None, "once");
+        // The event took the arming, as on hardware: the next completion fires nothing.
+        cq.push(wc(3), true);
+        assert_eq!(channel.events.try_wait().unwrap(), None);
+        // A CQ polled while not armed, or with completions queued, is left as it was.
+        assert_eq!(cq.poll_progressing(8, |w| polled.push(w.wr_id), || ()), 2);
+        cq.arm(false).unwrap();
+        assert_eq!(cq.poll_progressing(8, |w| polled.push(w.wr_id), || ()), 0);
+        cq.push(wc(4), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        assert_eq!(polled, [1, 2, 3]);
+    }
+
+    #[test]
+    fn solicited_only_arming_holds_and_comes_back_as_it_was() {
+        let (channel, cq) = armed_cq();
+        let cq = CompletionQueue::new(Arc::clone(&cq.context), 8, Some(Arc::clone(&channel)));
+        cq.arm(true).unwrap();
+        let n = cq.poll_progressing(4, |_| (), || cq.push(wc(1), true));
+        assert_eq!(n, 1);
+        assert_eq!(channel.events.try_wait().unwrap(), None);
+        cq.push(wc(2), false);
+        assert_eq!(
+            channel.events.try_wait().unwrap(),
+            None,
+            "still solicited-only: an unsolicited completion fires nothing"
+        );
+        cq.push(wc(3), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+    }
+
+    #[test]
+    fn events_of_a_deferred_scope_are_told_at_its_end_in_order_and_nested_scopes_join_it() {
+        let (channel, a) = armed_cq();
+        let b = CompletionQueue::new(Arc::clone(&a.context), 8, Some(Arc::clone(&channel)));
+        b.set_handle(0xb);
+        b.arm(false).unwrap();
+        with_events_deferred(|| {
+            b.push(wc(1), true);
+            with_events_deferred(|| a.push(wc(2), true));
+            a.push(wc(3), true);
+            assert_eq!(channel.events.try_wait().unwrap(), None, "not yet");
+        });
+        assert_eq!(channel.events.try_wait().unwrap(), Some(b.handle()));
+        assert_eq!(channel.events.try_wait().unwrap(), Some(a.handle()));
+        assert_eq!(channel.events.try_wait().unwrap(), None);
+        // Outside a scope, told at once.
+        a.arm(false).unwrap();
+        a.push(wc(4), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(a.handle()));
     }
 }

@@ -318,7 +318,7 @@ impl MessageReceiver for QueuePair {
         header: Header,
         payload: AmPayload<'_>,
     ) -> bool {
-        self.on_request(locked, header, payload)
+        super::cq::with_events_deferred(|| self.on_request(locked, header, payload))
     }
 
     fn response_arrived(
@@ -327,7 +327,7 @@ impl MessageReceiver for QueuePair {
         header: Header,
         payload: AmPayload<'_>,
     ) -> bool {
-        self.on_response(locked, header, payload)
+        super::cq::with_events_deferred(|| self.on_response(locked, header, payload))
     }
 
     fn group_datagram(
@@ -341,7 +341,7 @@ impl MessageReceiver for QueuePair {
     }
 
     fn ack_arrived(self: Arc<Self>, locked: &LockedWorker<'_>, header: &Header) {
-        self.on_ack(locked, header);
+        super::cq::with_events_deferred(|| self.on_ack(locked, header));
     }
 
     fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>) {
