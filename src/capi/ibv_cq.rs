@@ -367,11 +367,14 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                     Attempt::Done(-1)
                 }
                 Ok(None) => match engine {
-                    Some(engine) => Attempt::Wait {
-                        fds: [events.fd(), engine.worker.event_fd()],
-                        count: 2,
-                        timeout_ms: 100,
-                    },
+                    Some(engine) => {
+                        engine.flush_owed_acks_before_waiting();
+                        Attempt::Wait {
+                            fds: [events.fd(), engine.worker.event_fd()],
+                            count: 2,
+                            timeout_ms: 100,
+                        }
+                    }
                     None => Attempt::Wait {
                         fds: [events.fd(), -1],
                         count: 1,

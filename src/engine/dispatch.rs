@@ -124,6 +124,15 @@ pub(super) fn owed_acks_overdue() -> bool {
     since != 0 && now_us().saturating_sub(since) > OWED_ACK_MAX_WAIT.as_micros() as u64
 }
 
+/// How long until the ACKs owed now are overdue; None when none is owed.
+pub(super) fn owed_acks_due_in() -> Option<Duration> {
+    let since = OWED_SINCE_US.load(Ordering::Acquire);
+    (since != 0).then(|| {
+        let due = since + OWED_ACK_MAX_WAIT.as_micros() as u64 + 1;
+        Duration::from_micros(due.saturating_sub(now_us()))
+    })
+}
+
 /// QPs whose transport timer runs (by QP number), ticked by the progress thread.
 static ARMED: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 static ARMED_COUNT: AtomicUsize = AtomicUsize::new(0);

@@ -410,7 +410,12 @@ impl Engine {
         match self.worker.try_lock() {
             Some(locked) => {
                 while locked.progress() > 0 {}
-                self.flush_owed_acks(&locked);
+                // The ACKs this delivered owes wait for the application's answer (it is about
+                // to be handed an event), or go before this thread waits again
+                // (`flush_owed_acks_before_waiting`).
+                if dispatch::owed_acks_overdue() {
+                    self.flush_owed_acks(&locked);
+                }
                 // Leave the fd armed again for the progress thread (or this waiter).
                 let _ = locked.arm();
             }
@@ -427,6 +432,17 @@ impl Engine {
             .filter(|&qpn| self.receiver(qpn).is_some_and(|qp| qp.tick(locked, now)))
             .collect();
         dispatch::rearm(still);
+    }
+
+    /// An application thread is about to block waiting for an event: it will not answer
+    /// what it was handed, so the ACKs held for that answer go now (unless another thread
+    /// progresses; that one sends them).
+    pub fn flush_owed_acks_before_waiting(&self) {
+        if dispatch::owed_acks_due_in().is_some()
+            && let Some(locked) = self.worker.try_lock()
+        {
+            self.flush_owed_acks(&locked);
+        }
     }
 
     /// Sends every ACK a QP of this process owes its peer.

@@ -448,10 +448,19 @@ pub(super) fn run(
                 && calm_after.is_none());
         // The ACKs owed go alone now unless the application is polling and this thread will
         // look again soon: then they ride on the application's answer, or go when its polls
-        // find nothing (Activity::progress_from_app). Never left behind before sleeping.
+        // find nothing (Activity::progress_from_app). Nor while the application waits for
+        // completion events: it was just handed what arrived and usually answers at once,
+        // and the ACK riding on its answer makes one message instead of two, and at the peer
+        // one completion event for both the send's completion and the answer's arrival
+        // (`ibv_rc_pingpong -t -e` polls twice after each event and fails on an event whose
+        // completion it took already, as it did when ACK and answer came apart). Such an
+        // ACK waits at most OWED_ACK_MAX_WAIT: this thread wakes to send it, and an
+        // application thread sends it before it blocks in ibv_get_cq_event again.
         let app_polling = activity.seen().polls != seen.polls;
+        let held_for_answer = !spinning && activity.waits_for_events();
         if let Some(engine) = Engine::running() {
-            if !(spinning && app_polling) {
+            let answer_soon = held_for_answer || (spinning && app_polling);
+            if !answer_soon {
                 engine.flush_owed_acks(&locked);
             }
             if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
@@ -469,12 +478,15 @@ pub(super) fn run(
             continue;
         }
         drop(locked);
-        let wait_ms = if super::dispatch::timers_armed() {
-            super::TIMER_TICK.as_millis() as i32
+        let mut wait = if super::dispatch::timers_armed() {
+            super::TIMER_TICK
         } else {
-            100
+            Duration::from_millis(100)
         };
-        ucp::wait_readable(&[efd], wait_ms);
+        if let Some(due) = super::dispatch::owed_acks_due_in() {
+            wait = wait.min(due);
+        }
+        ucp::wait_readable_for(&[efd], wait);
     }
 }
 

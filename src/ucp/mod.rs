@@ -25,4 +25,6 @@ pub use memory::{
     anything_registered, gather, gather_into, hold_all, invalidate_range, scatter,
 };
 pub use status::Error;
-pub use worker::{AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable};
+pub use worker::{
+    AmData, AmHandler, AmPayload, Context, LockedWorker, Worker, wait_readable, wait_readable_for,
+};

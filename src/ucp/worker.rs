@@ -10,6 +10,7 @@ use std::ffi::c_void;
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
 
 /// A UCP context with the features ugdr uses (active messages, RMA, atomics, wakeup).
 pub struct Context {
@@ -570,6 +571,16 @@ pub(crate) fn capture_stream(print: impl FnOnce(*mut sys::FILE)) -> String {
 /// Blocks until one of `fds` is readable or `timeout_ms` passes (-1: no timeout).
 /// Returns the indices of the readable fds.
 pub fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> Vec<usize> {
+    let timeout = u64::try_from(timeout_ms).ok().map(Duration::from_millis);
+    wait_readable_within(fds, timeout)
+}
+
+/// [`wait_readable`] with a timeout finer than a millisecond.
+pub fn wait_readable_for(fds: &[RawFd], timeout: Duration) -> Vec<usize> {
+    wait_readable_within(fds, Some(timeout))
+}
+
+fn wait_readable_within(fds: &[RawFd], timeout: Option<Duration>) -> Vec<usize> {
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|&fd| libc::pollfd {
@@ -578,8 +589,23 @@ pub fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> Vec<usize> {
             revents: 0,
         })
         .collect();
-    // SAFETY: pfds is a valid array of `len` pollfd structs.
-    let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+    let ts = timeout.map(|t| libc::timespec {
+        tv_sec: t.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    });
+    let ts_ptr = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: pfds is a valid array of `len` pollfd structs; `ts_ptr` is NULL or points to
+    // `ts`, alive during the call; no signal mask is changed.
+    let n = unsafe {
+        libc::ppoll(
+            pfds.as_mut_ptr(),
+            pfds.len() as libc::nfds_t,
+            ts_ptr,
+            std::ptr::null(),
+        )
+    };
     if n <= 0 {
         return Vec::new();
     }
