@@ -457,12 +457,18 @@ fn assert_pingpong_passed(program: &str, opts: &[&str], s: &Output, c: &Output) 
 
 /// `program` (an ibverbs-utils pingpong) as server and client with `opts` on this host: both
 /// must exit 0 and report the transfer.
-pub fn pingpong(program: &str, opts: &[&str], timeout_s: u64) {
-    pingpong_with_env(program, opts, &[], timeout_s);
+/// Returns the server's and the client's output.
+pub fn pingpong(program: &str, opts: &[&str], timeout_s: u64) -> (Output, Output) {
+    pingpong_with_env(program, opts, &[], timeout_s)
 }
 
 /// [`pingpong`] with `env` set for both sides.
-pub fn pingpong_with_env(program: &str, opts: &[&str], env: &[(&str, &str)], timeout_s: u64) {
+pub fn pingpong_with_env(
+    program: &str,
+    opts: &[&str],
+    env: &[(&str, &str)],
+    timeout_s: u64,
+) -> (Output, Output) {
     let port = free_port().to_string();
     let (sargs, cargs) = pingpong_args(&port, opts, "127.0.0.1");
     let (mut server, mut client) = (preloaded(program, &sargs), preloaded(program, &cargs));
@@ -475,6 +481,7 @@ pub fn pingpong_with_env(program: &str, opts: &[&str], env: &[(&str, &str)], tim
         Duration::from_secs(timeout_s),
     );
     assert_pingpong_passed(program, opts, &s, &c);
+    (s, c)
 }
 
 /// `program` with `opts`, server in namespace A and client in B; both must exit 0 and report
