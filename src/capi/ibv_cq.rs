@@ -348,7 +348,11 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                 engine.progress_for_waiter();
             }
             let events = &channel.events;
-            match events.try_wait() {
+            let taken = match channel.take_arming_event() {
+                Some(handle) => Ok(Some(handle)),
+                None => events.try_wait(),
+            };
+            match taken {
                 Ok(Some(handle)) => {
                     let cq = handle as *mut ibv_cq_ex;
                     // SAFETY: events carry live CQ shells (a CQ's events are discarded when it is

@@ -15,6 +15,10 @@ pub struct CompletionChannel {
     pub context: Arc<DeviceContext>,
     pub events: EventQueue<usize>,
     users: AtomicUsize,
+    /// CQs armed while they held completions not yet polled
+    /// ([`CompletionQueue::arm`]): each owes an event if it still holds some when the
+    /// application asks for one ([`CompletionChannel::take_arming_event`]).
+    armed_with_completions: Mutex<Vec<std::sync::Weak<CompletionQueue>>>,
 }
 
 impl CompletionChannel {
@@ -25,7 +29,36 @@ impl CompletionChannel {
             context,
             events,
             users: AtomicUsize::new(0),
+            armed_with_completions: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// The event owed by a CQ of this channel that was armed while it held completions and
+    /// still holds some: its handle (the arming is used up, as by any event). A CQ whose
+    /// completions were all polled since owes none and stays armed for the next one.
+    pub fn take_arming_event(&self) -> Option<usize> {
+        let mut armed = self
+            .armed_with_completions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut found = None;
+        armed.retain(|weak| {
+            let Some(cq) = weak.upgrade() else {
+                return false;
+            };
+            if found.is_some() {
+                return true;
+            }
+            let mut ring = cq.ring();
+            ring.listed = false;
+            if ring.arming_event && !ring.entries.is_empty() {
+                cq.set_arming(&mut ring, Arming::Off);
+                found = Some(cq.handle());
+            }
+            ring.arming_event = false;
+            false
+        });
+        found
     }
 
     /// `ibv_destroy_comp_channel` fails with EBUSY while CQs use the channel.
@@ -61,6 +94,11 @@ struct Ring {
     /// The arming that a completion added during such a poll took: its event waits for the
     /// poll's outcome.
     held: Option<Arming>,
+    /// Armed while it held completions: owes an event if it still holds some when the
+    /// application asks its channel for one.
+    arming_event: bool,
+    /// On its channel's list of such CQs (once at most, whether it owes an event or not).
+    listed: bool,
 }
 
 impl Arming {
@@ -137,6 +175,8 @@ impl CompletionQueue {
                 overrun: false,
                 progressing: 0,
                 held: None,
+                arming_event: false,
+                listed: false,
             }),
             queued: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
@@ -210,6 +250,7 @@ impl CompletionQueue {
         };
         if fire {
             let was = ring.arming;
+            ring.arming_event = false;
             self.set_arming(ring, Arming::Off);
             if ring.progressing > 0 && ring.held.is_none() {
                 ring.held = Some(was);
@@ -251,6 +292,9 @@ impl CompletionQueue {
         let n = max.min(ring.entries.len());
         for wc in ring.entries.drain(..n) {
             sink(&wc);
+        }
+        if ring.entries.is_empty() {
+            ring.arming_event = false;
         }
         self.queued.store(ring.entries.len(), Ordering::Release);
         n
@@ -309,18 +353,39 @@ impl CompletionQueue {
     }
 
     /// `ibv_req_notify_cq`: the next completion (or the next solicited one) fires an event.
-    /// A completion already queued does not (the application polls after arming).
-    pub fn arm(&self, solicited_only: bool) -> Result<(), VerbsError> {
-        if self.channel.is_none() {
+    ///
+    /// Armed for any completion while it still holds completions not yet polled, the CQ also
+    /// owes an event right away, as mlx4 and mlx5 raise one when armed with CQEs beyond the
+    /// consumer index: an application that takes a bounded batch per event (perftest polls
+    /// 16) and was handed more between two armings then gets to the rest instead of waiting
+    /// for an event no new completion will raise (`ib_send_bw -e -Q 1` hung at its end about
+    /// one run in three). Unlike the hardware's, that event is told only when the
+    /// application asks for one (`ibv_get_cq_event`) while the CQ still holds completions: one
+    /// whose completions it polled first would find nothing (`ibv_rc_pingpong -t -e`, which
+    /// re-arms before it polls, takes an empty CQ after an event for an error).
+    pub fn arm(self: &Arc<Self>, solicited_only: bool) -> Result<(), VerbsError> {
+        let Some(channel) = &self.channel else {
             // rdma-core providers accept arming a CQ without a channel; nothing will fire.
             return Ok(());
-        }
+        };
         let mut ring = self.ring();
         let arming = match (ring.arming, solicited_only) {
             (Arming::Any, _) | (_, false) => Arming::Any,
             _ => Arming::SolicitedOnly,
         };
         self.set_arming(&mut ring, arming);
+        if arming == Arming::Any && !ring.entries.is_empty() {
+            ring.arming_event = true;
+            if !ring.listed {
+                ring.listed = true;
+                drop(ring);
+                channel
+                    .armed_with_completions
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Arc::downgrade(self));
+            }
+        }
         Ok(())
     }
 
@@ -378,6 +443,7 @@ impl CompletionQueue {
 
     /// Detaches from the context and channel when the CQ is destroyed.
     pub fn destroy(&self) {
+        self.ring().arming_event = false;
         if let Some(ch) = &self.channel {
             let me = self.handle();
             ch.events.discard(|h| *h == me);
@@ -620,5 +686,58 @@ mod tests {
         a.arm(false).unwrap();
         a.push(wc(4), true);
         assert_eq!(channel.events.try_wait().unwrap(), Some(a.handle()));
+    }
+
+    #[test]
+    fn arming_a_cq_that_holds_completions_owes_an_event_while_it_still_holds_them() {
+        let (channel, cq) = armed_cq();
+        cq.push(wc(1), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        cq.push(wc(2), true);
+        cq.push(wc(3), true);
+        // Re-armed with three completions queued, repeatedly: one event owed, listed once.
+        for _ in 0..3 {
+            cq.arm(false).unwrap();
+        }
+        assert_eq!(channel.armed_with_completions.lock().unwrap().len(), 1);
+        assert_eq!(
+            channel.events.try_wait().unwrap(),
+            None,
+            "not through the fd"
+        );
+        let mut polled = Vec::new();
+        cq.poll(1, |w| polled.push(w.wr_id));
+        assert_eq!(channel.take_arming_event(), Some(cq.handle()), "two left");
+        assert_eq!(channel.take_arming_event(), None, "once");
+        // That event used the arming up: a new completion fires nothing.
+        cq.push(wc(4), true);
+        assert_eq!(channel.events.try_wait().unwrap(), None);
+        // Armed again, then everything polled before the application asks: none owed, and
+        // the CQ stays armed for the next completion.
+        cq.arm(false).unwrap();
+        cq.poll(8, |w| polled.push(w.wr_id));
+        assert_eq!(polled, [1, 2, 3, 4]);
+        assert_eq!(channel.take_arming_event(), None);
+        cq.push(wc(5), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        assert_eq!(channel.take_arming_event(), None);
+    }
+
+    #[test]
+    fn a_new_completion_fires_in_place_of_the_arming_event_and_solicited_arming_owes_none() {
+        let (channel, cq) = armed_cq();
+        cq.push(wc(1), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        cq.arm(false).unwrap();
+        cq.push(wc(2), true);
+        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
+        assert_eq!(
+            channel.take_arming_event(),
+            None,
+            "the completion's event stands for it"
+        );
+        cq.arm(true).unwrap();
+        assert_eq!(channel.take_arming_event(), None, "solicited-only: none");
+        assert_eq!(cq.poll(8, |_| ()), 2);
     }
 }
