@@ -168,6 +168,19 @@ fn ib_send_bw_with_completion_events() {
     perftest("ib_send_bw", &["-e", "-n", "2000"], 90);
 }
 
+/// Every send signaled (`-Q 1`), 64-byte messages, sleeping on events: perftest polls at
+/// most 16 completions per event, so a sender handed more between two armings (an ACK
+/// completes many sends at once) only gets to the rest if arming a CQ that still holds
+/// completions raises an event, as on mlx4/mlx5. Hung at its end every run before.
+#[test]
+fn ib_send_bw_with_completion_events_every_send_signaled() {
+    perftest(
+        "ib_send_bw",
+        &["-e", "-Q", "1", "-s", "64", "-n", "5000"],
+        60,
+    );
+}
+
 #[test]
 fn ib_send_lat_with_completion_events() {
     perftest("ib_send_lat", &["-e", "-n", "1000"], 90);
