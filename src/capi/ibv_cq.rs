@@ -348,7 +348,16 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                 engine.progress_for_waiter();
             }
             let events = &channel.events;
-            let taken = match channel.take_arming_event() {
+            // The event a CQ armed while holding completions owes goes to a blocking wait
+            // only: a non-blocking channel's application waits on its fd, which that event
+            // never makes readable (SPDK's `--interrupt-mode`, handed it besides the fd's own,
+            // ran slower).
+            let owed = if events.is_nonblocking() {
+                None
+            } else {
+                channel.take_arming_event()
+            };
+            let taken = match owed {
                 Some(handle) => Ok(Some(handle)),
                 None => events.try_wait(),
             };
@@ -372,7 +381,7 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                 }
                 Ok(None) => match engine {
                     Some(engine) => {
-                        engine.flush_owed_acks_before_waiting();
+                        engine.blocking_for_event();
                         Attempt::Wait {
                             fds: [events.fd(), engine.worker.event_fd()],
                             count: 2,

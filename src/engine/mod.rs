@@ -399,9 +399,16 @@ impl Engine {
     }
 
     /// The application armed a CQ for a completion event: it sleeps until one comes (see
-    /// the adaptive progress thread's rule in `progress.rs`).
+    /// the adaptive progress thread's rule in `progress.rs`). One that blocks in
+    /// `ibv_get_cq_event` first has what reached the process delivered: those completions
+    /// are queued before the arming, as a HCA writes a CQE when its packet arrives; taken
+    /// in by its next poll instead, each raised an event for a completion that poll
+    /// returned, and its next wait found nothing (`ibv_rc_pingpong -t -e` fails on that).
     pub fn note_event_wait(&self) {
         self.activity.armed_for_events();
+        if self.activity.blocks_for_events() {
+            self.progress_beside_app();
+        }
     }
 
     /// Progress from a thread blocked for a completion event whose wait saw the worker's
@@ -412,7 +419,7 @@ impl Engine {
                 while locked.progress() > 0 {}
                 // The ACKs this delivered owes wait for the application's answer (it is about
                 // to be handed an event), or go before this thread waits again
-                // (`flush_owed_acks_before_waiting`).
+                // (`blocking_for_event`).
                 if dispatch::owed_acks_overdue() {
                     self.flush_owed_acks(&locked);
                 }
@@ -434,10 +441,11 @@ impl Engine {
         dispatch::rearm(still);
     }
 
-    /// An application thread is about to block waiting for an event: it will not answer
+    /// An application thread is about to block in `ibv_get_cq_event`: it will not answer
     /// what it was handed, so the ACKs held for that answer go now (unless another thread
     /// progresses; that one sends them).
-    pub fn flush_owed_acks_before_waiting(&self) {
+    pub fn blocking_for_event(&self) {
+        self.activity.blocked_for_event();
         if dispatch::owed_acks_due_in().is_some()
             && let Some(locked) = self.worker.try_lock()
         {

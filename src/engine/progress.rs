@@ -122,6 +122,8 @@ pub(super) struct Activity {
     app_posts: AtomicU64,
     /// When the application last armed a CQ for a completion event (µs, dispatch's clock).
     event_wait_us: AtomicU64,
+    /// When a thread of the application last blocked in `ibv_get_cq_event` (same clock).
+    event_block_us: AtomicU64,
 }
 
 /// How long after the application last armed a CQ for an event the adaptive progress thread
@@ -140,9 +142,21 @@ impl Activity {
 
     /// Whether the application waits for completion events these days.
     fn waits_for_events(&self) -> bool {
-        let at = self.event_wait_us.load(Ordering::Relaxed);
-        at != 0
-            && super::dispatch::now_us().saturating_sub(at) < EVENT_WAIT_WINDOW.as_micros() as u64
+        recent(&self.event_wait_us)
+    }
+
+    /// A thread of the application blocks in `ibv_get_cq_event`.
+    pub(super) fn blocked_for_event(&self) {
+        self.event_block_us
+            .store(super::dispatch::now_us(), Ordering::Relaxed);
+    }
+
+    /// Whether the application blocks in `ibv_get_cq_event` these days: it is handed what
+    /// arrives through that call and usually answers at once (a ping-pong), where one that
+    /// waits in its own event loop on a non-blocking channel (SPDK's `--interrupt-mode`) is
+    /// driven by every event, and ran at half the IOPS with its ACKs held for its answers.
+    pub(super) fn blocks_for_events(&self) -> bool {
+        recent(&self.event_block_us)
     }
 
     /// The application posted work.
@@ -180,7 +194,11 @@ impl Activity {
         }
         let idle = self.idle_app_polls.load(Ordering::Relaxed) + 1;
         self.idle_app_polls.store(idle, Ordering::Relaxed);
-        if idle.is_multiple_of(IDLE_POLLS_PER_ACK_FLUSH) {
+        // An application that blocks for completion events polls after each one until it
+        // finds nothing, then answers or blocks again: its ACKs wait for the answer (`run`).
+        if idle.is_multiple_of(IDLE_POLLS_PER_ACK_FLUSH)
+            && (!self.blocks_for_events() || super::dispatch::owed_acks_overdue())
+        {
             engine.flush_owed_acks(&locked);
         }
     }
@@ -193,6 +211,12 @@ thread_local! {
 
 /// Polls in a row that find the worker taken before the polling thread yields its CPU.
 const BUSY_WORKER_POLLS_BEFORE_YIELD: u32 = 16;
+
+/// Whether the time in `at` (dispatch's clock; 0: never) lies within EVENT_WAIT_WINDOW.
+fn recent(at: &AtomicU64) -> bool {
+    let at = at.load(Ordering::Relaxed);
+    at != 0 && super::dispatch::now_us().saturating_sub(at) < EVENT_WAIT_WINDOW.as_micros() as u64
+}
 
 /// Counts one more of the application's polls or posts: a plain load and store, not a locked
 /// read-modify-write on every verb call. The counters only tell the progress thread whether
@@ -448,8 +472,8 @@ pub(super) fn run(
                 && calm_after.is_none());
         // The ACKs owed go alone now unless the application is polling and this thread will
         // look again soon: then they ride on the application's answer, or go when its polls
-        // find nothing (Activity::progress_from_app). Nor while the application waits for
-        // completion events: it was just handed what arrived and usually answers at once,
+        // find nothing (Activity::progress_from_app). Nor while the application blocks in
+        // ibv_get_cq_event: it was just handed what arrived and usually answers at once,
         // and the ACK riding on its answer makes one message instead of two, and at the peer
         // one completion event for both the send's completion and the answer's arrival
         // (`ibv_rc_pingpong -t -e` polls twice after each event and fails on an event whose
@@ -457,7 +481,7 @@ pub(super) fn run(
         // ACK waits at most OWED_ACK_MAX_WAIT: this thread wakes to send it, and an
         // application thread sends it before it blocks in ibv_get_cq_event again.
         let app_polling = activity.seen().polls != seen.polls;
-        let held_for_answer = !spinning && activity.waits_for_events();
+        let held_for_answer = !spinning && activity.blocks_for_events();
         if let Some(engine) = Engine::running() {
             let answer_soon = held_for_answer || (spinning && app_polling);
             if !answer_soon {

@@ -6,7 +6,7 @@ use super::context::{DeviceContext, EVENT_CQ_ERR};
 use super::event_queue::EventQueue;
 use super::work::{WcStatus, WorkCompletion};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// A completion channel (`ibv_comp_channel`): delivers "CQ has a completion" events, one per
@@ -52,7 +52,7 @@ impl CompletionChannel {
             let mut ring = cq.ring();
             ring.listed = false;
             if ring.arming_event && !ring.entries.is_empty() {
-                cq.set_arming(&mut ring, Arming::Off);
+                ring.arming = Arming::Off;
                 found = Some(cq.handle());
             }
             ring.arming_event = false;
@@ -88,28 +88,11 @@ struct Ring {
     capacity: usize,
     arming: Arming,
     overrun: bool,
-    /// Polls of this CQ that are progressing the engine right now
-    /// ([`CompletionQueue::poll_progressing`]).
-    progressing: u32,
-    /// The arming that a completion added during such a poll took: its event waits for the
-    /// poll's outcome.
-    held: Option<Arming>,
     /// Armed while it held completions: owes an event if it still holds some when the
     /// application asks its channel for one.
     arming_event: bool,
     /// On its channel's list of such CQs (once at most, whether it owes an event or not).
     listed: bool,
-}
-
-impl Arming {
-    /// The arming of a CQ armed both ways (`Any` covers `SolicitedOnly`).
-    fn with(self, other: Arming) -> Arming {
-        match (self, other) {
-            (Arming::Any, _) | (_, Arming::Any) => Arming::Any,
-            (Arming::SolicitedOnly, _) | (_, Arming::SolicitedOnly) => Arming::SolicitedOnly,
-            _ => Arming::Off,
-        }
-    }
 }
 
 /// Which clocks a CQ stamps its completions with (`ibv_create_cq_ex` wc_flags).
@@ -135,9 +118,6 @@ pub struct CompletionQueue {
     /// lock): a poll that finds it 0 returns without taking the lock, as polling an empty
     /// hardware CQ reads one CQE's owner bit.
     queued: AtomicUsize,
-    /// Whether the CQ is armed, as of its arming's last change (written under the ring's
-    /// lock): a poll of a CQ that no event can fire for holds none back.
-    armed: AtomicBool,
     users: AtomicUsize,
     events: Mutex<(u64, u64)>, // (delivered, acknowledged)
     events_acked: Condvar,
@@ -173,13 +153,10 @@ impl CompletionQueue {
                 capacity,
                 arming: Arming::Off,
                 overrun: false,
-                progressing: 0,
-                held: None,
                 arming_event: false,
                 listed: false,
             }),
             queued: AtomicUsize::new(0),
-            armed: AtomicBool::new(false),
             users: AtomicUsize::new(0),
             events: Mutex::new((0, 0)),
             events_acked: Condvar::new(),
@@ -249,20 +226,10 @@ impl CompletionQueue {
             Arming::SolicitedOnly => solicited || wc.status != WcStatus::Success,
         };
         if fire {
-            let was = ring.arming;
+            ring.arming = Arming::Off;
             ring.arming_event = false;
-            self.set_arming(ring, Arming::Off);
-            if ring.progressing > 0 && ring.held.is_none() {
-                ring.held = Some(was);
-                return false;
-            }
         }
         fire
-    }
-
-    fn set_arming(&self, ring: &mut Ring, arming: Arming) {
-        ring.arming = arming;
-        self.armed.store(arming != Arming::Off, Ordering::Relaxed);
     }
 
     fn notify_if(&self, notify: bool) {
@@ -302,17 +269,6 @@ impl CompletionQueue {
 
     /// `ibv_poll_cq`: [`CompletionQueue::poll`], and on an empty CQ `progress` (the engine
     /// delivering, from the polling thread, what waits at this process) and a second poll.
-    ///
-    /// An event that a completion added meanwhile would fire waits for the second poll. When
-    /// that poll took every completion the event is dropped and the CQ stays armed: this very
-    /// call returns them, as if they had been queued before the arming (their messages had
-    /// reached the process; only ugdr had not taken them in). Otherwise it fires. Hardware
-    /// writes a CQE when its packet arrives, whatever the application does; here a message
-    /// waiting in UCX becomes a completion the instant the application polls, which is always
-    /// after it re-armed, so every such completion raised an event for a CQ the same poll
-    /// had just emptied: a stale wake-up for every event-driven application, and an error for
-    /// one that polls only after an event and takes it to mean a completion waits
-    /// (`ibv_rc_pingpong -t -e`: "poll CQ failed 2").
     pub fn poll_progressing(
         &self,
         max: usize,
@@ -323,20 +279,8 @@ impl CompletionQueue {
         if n > 0 || max == 0 {
             return n;
         }
-        if !self.armed.load(Ordering::Relaxed) {
-            // Nothing can fire (an arming from another thread meanwhile fires as it would
-            // have without this poll).
-            progress();
-            return self.poll(max, sink);
-        }
-        let held = HeldEvent::start(self);
         progress();
-        let mut ring = self.ring();
-        let n = self.take(&mut ring, max, sink);
-        let notify = held.resolve(&mut ring);
-        drop(ring);
-        self.notify_if(notify);
-        n
+        self.poll(max, sink)
     }
 
     /// Removes the completions of QP `qp_num` not yet polled (the QP was reset), as mlx4,
@@ -360,9 +304,10 @@ impl CompletionQueue {
     /// 16) and was handed more between two armings then gets to the rest instead of waiting
     /// for an event no new completion will raise (`ib_send_bw -e -Q 1` hung at its end about
     /// one run in three). Unlike the hardware's, that event is told only when the
-    /// application asks for one (`ibv_get_cq_event`) while the CQ still holds completions: one
-    /// whose completions it polled first would find nothing (`ibv_rc_pingpong -t -e`, which
-    /// re-arms before it polls, takes an empty CQ after an event for an error).
+    /// application blocks for one (`ibv_get_cq_event` on a blocking channel) while the CQ
+    /// still holds completions: one whose completions it polled first would find nothing
+    /// (`ibv_rc_pingpong -t -e`, which re-arms before it polls, takes an empty CQ after an
+    /// event for an error), and an application waiting on the channel's fd never sees it.
     pub fn arm(self: &Arc<Self>, solicited_only: bool) -> Result<(), VerbsError> {
         let Some(channel) = &self.channel else {
             // rdma-core providers accept arming a CQ without a channel; nothing will fire.
@@ -373,7 +318,7 @@ impl CompletionQueue {
             (Arming::Any, _) | (_, false) => Arming::Any,
             _ => Arming::SolicitedOnly,
         };
-        self.set_arming(&mut ring, arming);
+        ring.arming = arming;
         if arming == Arming::Any && !ring.entries.is_empty() {
             ring.arming_event = true;
             if !ring.listed {
@@ -495,49 +440,6 @@ pub fn with_events_deferred<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// A poll progressing for its CQ ([`CompletionQueue::poll_progressing`]): events wait until
-/// it resolves them (or fire, should it unwind).
-struct HeldEvent<'a> {
-    cq: &'a CompletionQueue,
-    resolved: bool,
-}
-
-impl<'a> HeldEvent<'a> {
-    fn start(cq: &'a CompletionQueue) -> HeldEvent<'a> {
-        cq.ring().progressing += 1;
-        HeldEvent {
-            cq,
-            resolved: false,
-        }
-    }
-
-    /// Ends the hold after the poll; whether the held event fires (the poll left completions).
-    fn resolve(mut self, ring: &mut Ring) -> bool {
-        self.resolved = true;
-        ring.progressing -= 1;
-        match ring.held.take() {
-            Some(arming) if ring.entries.is_empty() => {
-                self.cq.set_arming(ring, ring.arming.with(arming));
-                false
-            }
-            Some(_) => true,
-            None => false,
-        }
-    }
-}
-
-impl Drop for HeldEvent<'_> {
-    fn drop(&mut self) {
-        if !self.resolved {
-            let mut ring = self.cq.ring();
-            ring.progressing -= 1;
-            let notify = ring.held.take().is_some();
-            drop(ring);
-            self.cq.notify_if(notify);
-        }
-    }
-}
-
 /// Pushes to one CQ under one hold of its lock ([`CompletionQueue::batch`]).
 pub struct PushBatch<'a> {
     cq: &'a CompletionQueue,
@@ -607,64 +509,6 @@ mod tests {
         cq.set_handle(0xa);
         cq.arm(false).unwrap();
         (channel, cq)
-    }
-
-    #[test]
-    fn a_poll_that_takes_what_its_own_progress_completed_fires_no_event_and_leaves_the_cq_armed() {
-        let (channel, cq) = armed_cq();
-        let mut polled = Vec::new();
-        let n = cq.poll_progressing(4, |w| polled.push(w.wr_id), || cq.push(wc(1), true));
-        assert_eq!((n, &polled[..]), (1, &[1][..]));
-        assert_eq!(channel.events.try_wait().unwrap(), None, "no stale event");
-        // Still armed: the next completion fires.
-        cq.push(wc(2), true);
-        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
-        assert_eq!(channel.events.try_wait().unwrap(), None, "once");
-    }
-
-    #[test]
-    fn a_poll_that_leaves_completions_its_progress_added_fires_their_event() {
-        let (channel, cq) = armed_cq();
-        let mut polled = Vec::new();
-        let progress = || {
-            cq.push(wc(1), true);
-            cq.push(wc(2), true);
-        };
-        assert_eq!(
-            cq.poll_progressing(1, |w| polled.push(w.wr_id), progress),
-            1
-        );
-        assert_eq!(polled, [1]);
-        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
-        assert_eq!(channel.events.try_wait().unwrap(), None, "once");
-        // The event took the arming, as on hardware: the next completion fires nothing.
-        cq.push(wc(3), true);
-        assert_eq!(channel.events.try_wait().unwrap(), None);
-        // A CQ polled while not armed, or with completions queued, is left as it was.
-        assert_eq!(cq.poll_progressing(8, |w| polled.push(w.wr_id), || ()), 2);
-        cq.arm(false).unwrap();
-        assert_eq!(cq.poll_progressing(8, |w| polled.push(w.wr_id), || ()), 0);
-        cq.push(wc(4), true);
-        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
-        assert_eq!(polled, [1, 2, 3]);
-    }
-
-    #[test]
-    fn solicited_only_arming_holds_and_comes_back_as_it_was() {
-        let (channel, cq) = armed_cq();
-        let cq = CompletionQueue::new(Arc::clone(&cq.context), 8, Some(Arc::clone(&channel)));
-        cq.arm(true).unwrap();
-        let n = cq.poll_progressing(4, |_| (), || cq.push(wc(1), true));
-        assert_eq!(n, 1);
-        assert_eq!(channel.events.try_wait().unwrap(), None);
-        cq.push(wc(2), false);
-        assert_eq!(
-            channel.events.try_wait().unwrap(),
-            None,
-            "still solicited-only: an unsolicited completion fires nothing"
-        );
-        cq.push(wc(3), true);
-        assert_eq!(channel.events.try_wait().unwrap(), Some(cq.handle()));
     }
 
     #[test]
