@@ -324,11 +324,14 @@ impl CompletionQueue {
             if !ring.listed {
                 ring.listed = true;
                 drop(ring);
-                channel
+                let mut armed = channel
                     .armed_with_completions
                     .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(Arc::downgrade(self));
+                    .unwrap_or_else(|p| p.into_inner());
+                // Destroyed CQs go (a channel whose application never blocks for an event
+                // never takes from the list).
+                armed.retain(|cq| cq.strong_count() > 0);
+                armed.push(Arc::downgrade(self));
             }
         }
         Ok(())
@@ -583,5 +586,27 @@ mod tests {
         cq.arm(true).unwrap();
         assert_eq!(channel.take_arming_event(), None, "solicited-only: none");
         assert_eq!(cq.poll(8, |_| ()), 2);
+    }
+
+    #[test]
+    fn a_destroyed_cq_leaves_its_channels_list_when_another_joins_it() {
+        let (channel, cq) = armed_cq();
+        cq.push(wc(1), true);
+        cq.arm(false).unwrap();
+        assert_eq!(channel.armed_with_completions.lock().unwrap().len(), 1);
+        {
+            let gone = CompletionQueue::new(Arc::clone(&cq.context), 8, Some(Arc::clone(&channel)));
+            gone.push(wc(9), true);
+            gone.arm(false).unwrap();
+            assert_eq!(channel.armed_with_completions.lock().unwrap().len(), 2);
+        }
+        let other = CompletionQueue::new(Arc::clone(&cq.context), 8, Some(Arc::clone(&channel)));
+        other.push(wc(9), true);
+        other.arm(false).unwrap();
+        assert_eq!(
+            channel.armed_with_completions.lock().unwrap().len(),
+            2,
+            "the gone one left"
+        );
     }
 }
