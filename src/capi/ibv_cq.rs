@@ -348,18 +348,13 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                 engine.progress_for_waiter();
             }
             let events = &channel.events;
-            // The event a CQ armed while holding completions owes goes to a blocking wait
-            // only: a non-blocking channel's application waits on its fd, which that event
-            // never makes readable (SPDK's `--interrupt-mode`, handed it besides the fd's own,
-            // ran slower).
-            let owed = if events.is_nonblocking() {
-                None
-            } else {
-                channel.take_arming_event()
-            };
-            let taken = match owed {
-                Some(handle) => Ok(Some(handle)),
-                None => events.try_wait(),
+            // The event a CQ armed while holding completions owes comes after those queued,
+            // and to a blocking wait only: a non-blocking channel's application waits on its
+            // fd, which that event never makes readable (SPDK's `--interrupt-mode`, handed it
+            // besides the fd's own, ran slower).
+            let taken = match events.try_wait() {
+                Ok(None) if !events.is_nonblocking() => Ok(channel.take_arming_event()),
+                taken => taken,
             };
             match taken {
                 Ok(Some(handle)) => {
