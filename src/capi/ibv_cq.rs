@@ -352,8 +352,10 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
             // and to a blocking wait only: a non-blocking channel's application waits on its
             // fd, which that event never makes readable (SPDK's `--interrupt-mode`, handed it
             // besides the fd's own, ran slower).
+            let mut nonblocking = None;
+            let mut is_nonblocking = || *nonblocking.get_or_insert_with(|| events.is_nonblocking());
             let taken = match events.try_wait() {
-                Ok(None) if !events.is_nonblocking() => Ok(channel.take_arming_event()),
+                Ok(None) if !is_nonblocking() => Ok(channel.take_arming_event()),
                 taken => taken,
             };
             match taken {
@@ -370,7 +372,7 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                     }
                     Attempt::Done(0)
                 }
-                Ok(None) if events.is_nonblocking() => {
+                Ok(None) if is_nonblocking() => {
                     set_errno(libc::EAGAIN);
                     Attempt::Done(-1)
                 }
@@ -449,7 +451,9 @@ fn poll_into(shell: &CqShell, max: usize, wc: *mut ibv_wc) -> usize {
     )
 }
 
-fn progress_from_app() {
+/// The engine progressed from an application thread that found its CQ empty (the
+/// `progress` of [`CompletionQueue::poll_progressing`]).
+pub(crate) fn progress_from_app() {
     if let Some(engine) = Engine::running() {
         engine.progress_from_app();
     }

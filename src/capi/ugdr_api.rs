@@ -538,11 +538,7 @@ pub unsafe extern "C" fn ugdr_poll_cq(
                 unsafe { wc.add(i).write(to_wc(w)) };
                 i += 1;
             },
-            || {
-                if let Some(engine) = Engine::running() {
-                    engine.progress_from_app();
-                }
-            },
+            super::ibv_cq::progress_from_app,
         );
         n as c_int
     })

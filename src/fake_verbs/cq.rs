@@ -50,7 +50,6 @@ impl CompletionChannel {
                 return true;
             }
             let mut ring = cq.ring();
-            ring.listed = false;
             if ring.arming_event && !ring.entries.is_empty() {
                 ring.arming = Arming::Off;
                 found = Some(cq.handle());
@@ -91,8 +90,6 @@ struct Ring {
     /// Armed while it held completions: owes an event if it still holds some when the
     /// application asks its channel for one.
     arming_event: bool,
-    /// On its channel's list of such CQs (once at most, whether it owes an event or not).
-    listed: bool,
 }
 
 /// Which clocks a CQ stamps its completions with (`ibv_create_cq_ex` wc_flags).
@@ -154,7 +151,6 @@ impl CompletionQueue {
                 arming: Arming::Off,
                 overrun: false,
                 arming_event: false,
-                listed: false,
             }),
             queued: AtomicUsize::new(0),
             users: AtomicUsize::new(0),
@@ -321,16 +317,18 @@ impl CompletionQueue {
         ring.arming = arming;
         if arming == Arming::Any && !ring.entries.is_empty() {
             ring.arming_event = true;
-            if !ring.listed {
-                ring.listed = true;
-                drop(ring);
-                let mut armed = channel
-                    .armed_with_completions
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
-                // Destroyed CQs go (a channel whose application never blocks for an event
-                // never takes from the list).
-                armed.retain(|cq| cq.strong_count() > 0);
+            drop(ring);
+            let mut armed = channel
+                .armed_with_completions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            // Once per CQ; destroyed CQs go (a channel whose application never blocks for an
+            // event never takes from the list).
+            armed.retain(|cq| cq.strong_count() > 0);
+            if !armed
+                .iter()
+                .any(|cq| std::ptr::eq(cq.as_ptr(), Arc::as_ptr(self)))
+            {
                 armed.push(Arc::downgrade(self));
             }
         }
