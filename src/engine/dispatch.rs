@@ -7,7 +7,7 @@
 
 use super::wire::Header;
 use crate::ucp::{AmPayload, Endpoint, LockedWorker};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -91,15 +91,25 @@ pub(super) fn now_us() -> u64 {
     (epoch().elapsed().as_micros() as u64).max(1)
 }
 
+/// Some ACK on the list was asked for promptly (see [`ack_wanted_soon`]).
+static OWED_PROMPTLY: AtomicBool = AtomicBool::new(false);
+
 /// QP `qpn` holds an ACK back, hoping to piggyback it: the engine sends it (through
-/// [`MessageReceiver::send_owed_ack`]) when nothing else is going on, and at the latest once
-/// it has waited [`OWED_ACK_MAX_WAIT`].
+/// [`MessageReceiver::send_owed_ack`]) at the latest once it has waited
+/// [`OWED_ACK_MAX_WAIT`], and sooner, when nothing else is going on, if [`ack_wanted_soon`].
 pub fn owe_ack(qpn: u32) {
     let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
     owed.push(qpn);
     if OWED_COUNT.fetch_add(1, Ordering::AcqRel) == 0 {
         OWED_SINCE_US.store(now_us(), Ordering::Release);
     }
+}
+
+/// A QP owes an ACK that its peer's requester waits for (a signaled WR's completion, or a
+/// request sent again): the ACKs owed go as soon as this process runs out of work, not only
+/// when they are overdue.
+pub fn ack_wanted_soon() {
+    OWED_PROMPTLY.store(true, Ordering::Release);
 }
 
 /// The QPs that owe an ACK, emptying the list (cheap when it is empty).
@@ -110,7 +120,15 @@ pub(super) fn take_owed_acks() -> Vec<u32> {
     let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
     OWED_COUNT.store(0, Ordering::Release);
     OWED_SINCE_US.store(0, Ordering::Release);
+    OWED_PROMPTLY.store(false, Ordering::Release);
     std::mem::take(&mut *owed)
+}
+
+/// Whether the ACKs owed should go once this process runs out of work: one was asked for
+/// promptly, or one is overdue.
+pub(super) fn owed_acks_wanted() -> bool {
+    (OWED_PROMPTLY.load(Ordering::Acquire) && OWED_COUNT.load(Ordering::Acquire) != 0)
+        || owed_acks_overdue()
 }
 
 /// The longest an owed ACK waits for a message to ride on or for the application to run out

@@ -30,7 +30,7 @@ pub mod multicast;
 mod progress;
 pub mod wire;
 
-pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, arm_timer, owe_ack};
+pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, ack_wanted_soon, arm_timer, owe_ack};
 pub use error::EngineError;
 pub use progress::{ProgressConfig, ProgressMode};
 

@@ -197,6 +197,7 @@ impl Activity {
         // An application that blocks for completion events polls after each one until it
         // finds nothing, then answers or blocks again: its ACKs wait for the answer (`run`).
         if idle.is_multiple_of(IDLE_POLLS_PER_ACK_FLUSH)
+            && super::dispatch::owed_acks_wanted()
             && (!self.blocks_for_events() || super::dispatch::owed_acks_overdue())
         {
             engine.flush_owed_acks(&locked);
@@ -484,7 +485,7 @@ pub(super) fn run(
         let held_for_answer = !spinning && activity.blocks_for_events();
         if let Some(engine) = Engine::running() {
             let answer_soon = held_for_answer || (spinning && app_polling);
-            if !answer_soon {
+            if !answer_soon && super::dispatch::owed_acks_wanted() {
                 engine.flush_owed_acks(&locked);
             }
             if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {

@@ -187,6 +187,10 @@ pub(super) struct Queues {
     /// next message this QP sends, or goes alone when the engine flushes owed ACKs.
     pub(super) ack_owed: Option<u32>,
     pub(super) acks_unsent: u32,
+    /// The oldest and newest sequence numbers not yet acknowledged whose requester waits for
+    /// their ACK (they came without `wire::HINT_ACK_MAY_WAIT`): an ACK that covers the oldest
+    /// goes as soon as the process runs out of work.
+    pub(super) prompt_ack: Option<(u32, u32)>,
     /// IBV_EVENT_COMM_EST was raised (the first message reached the QP in RTR).
     pub(super) comm_established: bool,
     /// In SQD with `en_sqd_async_notify`: IBV_EVENT_SQ_DRAINED is owed once the SQ is empty.
@@ -256,6 +260,7 @@ impl Queues {
             landing: VecDeque::new(),
             ack_owed: None,
             acks_unsent: 0,
+            prompt_ack: None,
             comm_established: false,
             sqd_notify: false,
             next_receive: 0,

@@ -441,6 +441,14 @@ impl QueuePair {
             // XRC_SEND QP owes no ACK to piggyback (it executes no request).
             header.set_xrc_srqn(req.xrc_srqn);
         }
+        if self.qp_type.reliable()
+            && !(req.signaled || self.sq_sig_all)
+            && matches!(op, Op::Send | Op::Write)
+        {
+            // No completion here waits for its ACK (a later signaled WR's, or a READ's
+            // answer, covers it).
+            header.hints |= wire::HINT_ACK_MAY_WAIT;
+        }
         if self.qp_type.reliable() {
             // Kept until answered, to be sent again if the responder dropped it.
             if let Some(e) = q.sq.back_mut() {
@@ -449,11 +457,10 @@ impl QueuePair {
             self.run_timer(q);
         }
         if self.qp_type != QpType::XrcSend
-            && let Some(ack) = q.ack_owed.take()
+            && let Some(ack) = super::responder::take_owed_ack(q)
         {
             header.flags |= wire::FLAG_ACK;
             header.ack_seq = ack;
-            q.acks_unsent = 0;
         }
         Ok(Some(DataMessage {
             endpoint,

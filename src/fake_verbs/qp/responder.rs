@@ -6,7 +6,9 @@
 //! RNR-NAKed, the requester sends it again), checks rkeys and access before a WRITE, READ or
 //! atomic touches memory (else NAK, QP to ERR), executes READs and atomics after every
 //! earlier request took effect, and acknowledges what took effect (coalesced: on the next
-//! outgoing message, every [`ACK_BATCH`] deliveries, or when the engine flushes owed ACKs).
+//! outgoing message, every [`ACK_BATCH`] deliveries, or when the engine flushes owed ACKs;
+//! those no completion at the requester waits for, every [`LAZY_ACK_BATCH`] deliveries, or
+//! when the engine flushes ACKs that are overdue).
 //! Everything else is dropped and counted (`UGDR_LOG=debug` shows the count). Where the data
 //! lands is [`super::receive`].
 
@@ -24,9 +26,21 @@ use crate::engine::wire::{self, Header, Nak, Op};
 use crate::ucp::{AmPayload, AppSpan, LockedWorker, SendPayload};
 use smallvec::SmallVec;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// At most this many delivered messages go unacknowledged before an ACK is sent at once.
+/// At most this many delivered messages go unacknowledged before an ACK is sent at once, while
+/// the requester waits for one of them (see [`note_prompt_ack`]) ...
 const ACK_BATCH: u32 = 16;
+/// ... and while it waits for none: it only holds their copies for sending again, and its
+/// send queue's slots as its application sees them free at a later signaled WR's completion.
+const LAZY_ACK_BATCH: u32 = 64;
+
+/// This process's reliable responders: requests delivered, and ACKs that went as messages of
+/// their own (not riding on a message back). `UGDR_LOG=debug` shows both at each power of two
+/// of the first. Counted by a plain load and store, not a locked add per message: deliveries
+/// run under the worker lock, and a count lost to a race only blurs a log line.
+static DELIVERED: AtomicU64 = AtomicU64::new(0);
+static ACKS_ALONE: AtomicU64 = AtomicU64::new(0);
 
 impl QueuePair {
     /// A request for this QP (SEND, WRITE, READ, atomic). Returns true when the payload's
@@ -79,6 +93,7 @@ impl QueuePair {
                 self.on_duplicate(q, &h);
                 return false;
             }
+            note_prompt_ack(q, &h);
             if !self.may_keep(q, &payload) {
                 self.drop_request(q, &h, "ahead of sequence, and the QP keeps enough");
                 return false;
@@ -88,6 +103,7 @@ impl QueuePair {
         if self.xrc_target.is_some() && !self.xrc_request_valid(q, &h) {
             return false;
         }
+        note_prompt_ack(q, &h);
         let receive = if q.waiting.is_empty() && needs_receive(&h) {
             self.take_receive_for(q, &h)
         } else {
@@ -155,6 +171,8 @@ impl QueuePair {
             q.ack_owed = Some(q.last_delivered);
             crate::engine::owe_ack(self.qp_num);
         }
+        // The requester timed out waiting: it wants the answer now.
+        crate::engine::ack_wanted_soon();
     }
 
     /// Counts a request the responder does not take (`UGDR_LOG=debug` shows the count at
@@ -434,8 +452,7 @@ impl QueuePair {
     /// Sends the ACK this QP owes, if any (the engine calls this when it flushes owed ACKs).
     pub fn flush_ack(self: &Arc<Self>, locked: &LockedWorker<'_>) {
         self.locked_then_send(locked, |q| {
-            if let Some(seq) = q.ack_owed.take() {
-                q.acks_unsent = 0;
+            if let Some(seq) = take_owed_ack(q) {
                 self.send_ack(q, seq, None);
             }
         });
@@ -446,16 +463,28 @@ impl QueuePair {
         if !self.qp_type.reliable() {
             return;
         }
+        let delivered = count(&DELIVERED);
+        if delivered.is_power_of_two() {
+            tracing::debug!(
+                "rc responders: {delivered} requests delivered, {} ACKs sent alone",
+                ACKS_ALONE.load(Ordering::Relaxed)
+            );
+        }
         let first = q.ack_owed.is_none();
         q.last_delivered = seq;
         q.ack_owed = Some(seq);
         q.acks_unsent += 1;
-        if q.acks_unsent >= ACK_BATCH {
-            q.ack_owed = None;
-            q.acks_unsent = 0;
+        let prompt = prompt_ack_after(q.prompt_ack, seq).0;
+        if q.acks_unsent >= if prompt { ACK_BATCH } else { LAZY_ACK_BATCH } {
+            take_owed_ack(q);
             self.send_ack(q, seq, None);
-        } else if first {
+            return;
+        }
+        if first {
             crate::engine::owe_ack(self.qp_num);
+        }
+        if prompt {
+            crate::engine::ack_wanted_soon();
         }
     }
 
@@ -464,6 +493,7 @@ impl QueuePair {
             return; // UC and UD are never acknowledged
         }
         let Some(peer) = &q.peer else { return };
+        count(&ACKS_ALONE);
         let mut header = Header::new(Op::Ack, peer.qpn, self.qp_num, self.local_lid, seq);
         header.status = nak.map_or(0, |n| n as u8);
         if nak == Some(Nak::ReceiverNotReady) {
@@ -480,6 +510,45 @@ impl QueuePair {
     }
 }
 
+/// One more in a statistics counter (see [`DELIVERED`]); returns the new count.
+fn count(counter: &AtomicU64) -> u64 {
+    let n = counter.load(Ordering::Relaxed) + 1;
+    counter.store(n, Ordering::Relaxed);
+    n
+}
+
+/// Notes a request whose requester waits for its ACK (it came without
+/// `wire::HINT_ACK_MAY_WAIT`) among those not yet acknowledged.
+fn note_prompt_ack(q: &mut Queues, h: &Header) {
+    if h.hints & wire::HINT_ACK_MAY_WAIT != 0 {
+        return;
+    }
+    q.prompt_ack = Some(match q.prompt_ack {
+        None => (h.seq, h.seq),
+        Some((oldest, newest)) if wire::psn_before(newest, h.seq) => (oldest, h.seq),
+        Some(kept) => kept,
+    });
+}
+
+/// The acknowledgement this QP owes, to be sent now (alone or on a message): no longer owed.
+pub(super) fn take_owed_ack(q: &mut Queues) -> Option<u32> {
+    let seq = q.ack_owed.take()?;
+    q.acks_unsent = 0;
+    q.prompt_ack = prompt_ack_after(q.prompt_ack, seq).1;
+    Some(seq)
+}
+
+/// For an acknowledgement of everything up to `seq`, given the prompt ACKs wanted
+/// (`Queues::prompt_ack`): whether it covers one, and what is still wanted after it.
+fn prompt_ack_after(wanted: Option<(u32, u32)>, seq: u32) -> (bool, Option<(u32, u32)>) {
+    match wanted {
+        Some((oldest, _)) if wire::psn_before(seq, oldest) => (false, wanted),
+        Some((_, newest)) if wire::psn_before(seq, newest) => (true, Some((newest, newest))),
+        Some(_) => (true, None),
+        None => (false, None),
+    }
+}
+
 /// The bytes a kept payload holds in memory (a rendezvous body stays at its sender).
 fn eager_len(payload: &AmPayload<'_>) -> usize {
     match payload {
@@ -492,4 +561,64 @@ fn eager_len(payload: &AmPayload<'_>) -> usize {
 /// An atomic's target: one 8-byte word at an 8-byte aligned address.
 fn aligned_word(span: &AppSpan) -> bool {
     span.len() == 8 && span.addr().is_multiple_of(8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(seq: u32, may_wait: bool) -> Header {
+        let mut h = Header::new(Op::Send, 1, 2, 3, seq);
+        if may_wait {
+            h.hints |= wire::HINT_ACK_MAY_WAIT;
+        }
+        h
+    }
+
+    #[test]
+    fn only_requests_without_the_hint_want_a_prompt_ack() {
+        let mut q = Queues::new();
+        note_prompt_ack(&mut q, &request(5, true));
+        assert_eq!(q.prompt_ack, None);
+        note_prompt_ack(&mut q, &request(6, false));
+        note_prompt_ack(&mut q, &request(7, true));
+        note_prompt_ack(&mut q, &request(9, false));
+        assert_eq!(
+            q.prompt_ack,
+            Some((6, 9)),
+            "the oldest and the newest wanted"
+        );
+    }
+
+    #[test]
+    fn an_ack_answers_the_wanted_ones_it_covers() {
+        let wanted = Some((6, 9));
+        assert_eq!(prompt_ack_after(wanted, 5), (false, wanted));
+        assert_eq!(prompt_ack_after(wanted, 6), (true, Some((9, 9))));
+        assert_eq!(prompt_ack_after(wanted, 8), (true, Some((9, 9))));
+        assert_eq!(prompt_ack_after(wanted, 9), (true, None));
+        assert_eq!(prompt_ack_after(wanted, 12), (true, None));
+        assert_eq!(prompt_ack_after(None, 12), (false, None));
+        // Sequence numbers wrap at 24 bits.
+        let across = Some((wire::PSN_MASK, 1));
+        assert_eq!(
+            prompt_ack_after(across, wire::PSN_MASK - 1),
+            (false, across)
+        );
+        assert_eq!(prompt_ack_after(across, 0), (true, Some((1, 1))));
+        assert_eq!(prompt_ack_after(across, 1), (true, None));
+    }
+
+    #[test]
+    fn sending_the_owed_ack_clears_what_it_answers() {
+        let mut q = Queues::new();
+        assert_eq!(take_owed_ack(&mut q), None);
+        note_prompt_ack(&mut q, &request(3, false));
+        note_prompt_ack(&mut q, &request(4, false));
+        q.ack_owed = Some(3);
+        q.acks_unsent = 2;
+        assert_eq!(take_owed_ack(&mut q), Some(3));
+        assert_eq!((q.ack_owed, q.acks_unsent), (None, 0));
+        assert_eq!(q.prompt_ack, Some((4, 4)), "4 still waits for its ACK");
+    }
 }

@@ -117,6 +117,7 @@ impl QueuePair {
                 q.last_delivered = wire::PSN_MASK;
                 q.dropped = 0;
                 q.ack_owed = None;
+                q.prompt_ack = None;
                 q.acks_unsent = 0;
                 q.comm_established = false;
                 q.sqd_notify = false;
