@@ -125,3 +125,27 @@ fn the_progress_thread_runs_on_the_processs_cpus_not_its_pinned_creators() {
         run_checked_under_ugdr(&exe, &[mode], mode, "pinned_app: ok");
     }
 }
+
+/// A UC sender that sleeps in `ibv_get_cq_event` between windows of 128 SENDs, twice the
+/// shared-memory FIFO UCX keeps towards its peer, to a receiver that sleeps on events too
+/// (tests/c/uc_window.c, which checks every completion and message). The SENDs that find the
+/// FIFO full wait inside UCX for a progress call of the sender's process, and no ACK comes
+/// back over UC to wake one: they waited for the progress thread's 100 ms timer, and 96
+/// windows took 1.6–2.9 s (`ib_send_bw -e -c UC -s 64`: ~0.5 MB/s). Now 11–19 ms, 43–90 ms
+/// beside two busy loops.
+#[test]
+fn a_sleeping_uc_sender_does_not_wait_for_a_timer_when_its_peers_fifo_was_full() {
+    let exe = build_c("uc_window", &["-libverbs"]);
+    let mut cmd = Command::new(&exe);
+    cmd.env("LD_PRELOAD", lib_path());
+    let out = run(cmd, "uc_window", Duration::from_secs(60));
+    assert_success(&out, "uc_window");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let ms: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("uc_window: ok 12288 messages, sender "))
+        .and_then(|rest| rest.strip_suffix(" ms"))
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or_else(|| panic!("no result line\n{}", text(&out)));
+    assert!(ms < 600.0, "96 windows took {ms} ms\n{}", text(&out));
+}

@@ -344,7 +344,12 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                 return Attempt::Done(-1);
             }
             let engine = Engine::running();
-            if let (true, Some(engine)) = (ready[1], engine) {
+            // Sends UCX holds (a peer's FIFO was full) go out only from a progress call, and
+            // nothing makes the worker's fd readable when room comes: this waiter looks every
+            // millisecond while there are some (the progress thread may have slept through the
+            // wake-up this thread took).
+            let sends_pending = engine.is_some_and(|e| e.worker.sends_pending() > 0);
+            if let (true, Some(engine)) = (ready[1] || sends_pending, engine) {
                 engine.progress_for_waiter();
             }
             let events = &channel.events;
@@ -382,7 +387,11 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
                         Attempt::Wait {
                             fds: [events.fd(), engine.worker.event_fd()],
                             count: 2,
-                            timeout_ms: 100,
+                            timeout_ms: if engine.worker.sends_pending() > 0 {
+                                1
+                            } else {
+                                100
+                            },
                         }
                     }
                     None => Attempt::Wait {

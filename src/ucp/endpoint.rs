@@ -337,6 +337,7 @@ impl Endpoint {
             // Pending: UCX calls send_callback from a later progress, which needs the worker
             // lock this thread holds, so `done` is in place before it can run.
             req.done = Some(Box::new(make_done()));
+            self.worker.count_pending_send(locked, false);
             let _ = Box::into_raw(req); // reclaimed by send_callback
             return Ok(SendState::Pending);
         }
@@ -477,6 +478,7 @@ unsafe extern "C" fn send_callback(
         };
         // SAFETY: request returned by ucp_am_send_nbx, freed once.
         unsafe { worker.api().ucp_request_free(request) };
+        worker.count_pending_send(&locked, true);
         if let Some(done) = req.done.take() {
             done(&locked, result);
         }

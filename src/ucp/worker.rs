@@ -9,6 +9,7 @@ use smallvec::SmallVec;
 use std::ffi::c_void;
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -153,6 +154,10 @@ pub struct Worker {
     /// Boxed: UCX keeps pointers into a pending send's buffer, which must not move.
     #[allow(clippy::vec_box)]
     send_pool: Mutex<Vec<Box<SendRequest>>>,
+    /// Sends UCX has not finished (changed under `lock` only; read without it).
+    sends_pending: AtomicUsize,
+    /// The progress thread sleeps on the event fd (see `note_sleeping`).
+    progress_sleeping: AtomicBool,
     event_fd: RawFd,
     handlers: OnceLock<Box<HandlerSlot>>,
     context: Arc<Context>,
@@ -198,6 +203,8 @@ impl Worker {
             handle,
             lock: Mutex::new(()),
             send_pool: Mutex::new(Vec::new()),
+            sends_pending: AtomicUsize::new(0),
+            progress_sleeping: AtomicBool::new(false),
             event_fd,
             handlers: OnceLock::new(),
             context,
@@ -207,6 +214,37 @@ impl Worker {
     /// The file descriptor that becomes readable when the worker has work (after `arm`).
     pub fn event_fd(&self) -> RawFd {
         self.event_fd
+    }
+
+    /// How many sends UCX holds unfinished: one waiting for room in a peer's shared-memory
+    /// FIFO goes out only from a later progress call, and nothing makes the event fd readable
+    /// when the room comes (the peer signals new messages, not freed slots).
+    pub fn sends_pending(&self) -> usize {
+        self.sends_pending.load(Ordering::Relaxed)
+    }
+
+    /// A send went pending, or one `finished`; under the lock only, so a plain
+    /// load and store suffice. The first one pending wakes a progress thread that sleeps on
+    /// the event fd: it looks at pending sends on a short timer, which it set before it slept
+    /// only if some were pending then.
+    pub(super) fn count_pending_send(&self, locked: &LockedWorker<'_>, finished: bool) {
+        let _ = locked;
+        let before = self.sends_pending.load(Ordering::Relaxed);
+        let n = if finished {
+            before.saturating_sub(1)
+        } else {
+            before + 1
+        };
+        self.sends_pending.store(n, Ordering::Relaxed);
+        if before == 0 && n == 1 && self.progress_sleeping.load(Ordering::Relaxed) {
+            self.signal();
+        }
+    }
+
+    /// The progress thread is about to sleep on the event fd (`true`, under the lock, with the
+    /// pending sends it saw), or woke (`false`).
+    pub fn note_sleeping(&self, sleeping: bool) {
+        self.progress_sleeping.store(sleeping, Ordering::Relaxed);
     }
 
     pub fn lock(&self) -> LockedWorker<'_> {
