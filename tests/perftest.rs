@@ -213,13 +213,13 @@ fn ib_send_bw_acknowledges_unsignaled_sends_in_batches() {
     let log = String::from_utf8_lossy(&server.stderr);
     let (delivered, alone) = log
         .lines()
-        .filter_map(|l| {
+        .rev()
+        .find_map(|l| {
             let rest = l.split("rc responders: ").nth(1)?;
             let (delivered, rest) = rest.split_once(" requests delivered, ")?;
             let alone = rest.split_once(" ACKs sent alone")?.0;
             Some((delivered.parse::<u64>().ok()?, alone.parse::<u64>().ok()?))
         })
-        .last()
         .unwrap_or_else(|| panic!("no responder counts in the server's log\n{}", text(&server)));
     assert!(delivered >= 16384, "{delivered} delivered");
     assert!(
