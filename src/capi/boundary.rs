@@ -25,7 +25,9 @@
 //!   it, the one place they can be cancelled. `poll` is declared `C-unwind` under glibc's
 //!   public alias `__poll`, so that no `extern "C"` declaration of the same symbol elsewhere in
 //!   the crate graph can strip the call's unwind edge. Cancelled there, nothing of ugdr is held
-//!   (no lock, no event taken), so the objects stay usable and destroyable.
+//!   (no lock, no event taken), so the objects stay usable and destroyable. A signal handler
+//!   that runs there ends the call with EINTR, as it ends that `read()`, unless it was
+//!   installed with `SA_RESTART` ([`blocking`]).
 
 use std::os::fd::RawFd;
 use std::os::raw::c_int;
@@ -210,22 +212,23 @@ pub(crate) enum Attempt<R> {
 }
 
 /// Runs an export that blocks until an event, cancellable as rdma-core's `read()` is (see the
-/// module comment). `attempt` runs inside the boundary and must not block; it is told which
-/// fds of the last `Wait` were readable (none on the first call).
+/// module comment), and interruptible as it is: a signal whose handler was installed without
+/// `SA_RESTART` ends the wait with `fail()` and errno EINTR (see [`signal_ends_wait`]).
+/// `attempt` runs inside the boundary and must not block; it is told which fds of the last
+/// `Wait` were readable (none on the first call). `fail` gives the export's failure value
+/// (also after a panic).
 ///
 /// Call only from an `extern "C-unwind"` export.
 pub(crate) fn blocking<R>(
     name: &str,
-    on_panic: impl Fn() -> R,
+    fail: impl Fn() -> R,
     mut attempt: impl FnMut([bool; 2]) -> Attempt<R>,
 ) -> R {
     let mut ready = [false; 2];
     loop {
         // Always without cancellation: these threads are the ones applications cancel.
         let no_cancel = NoCancel::new();
-        let step = ffi_boundary!(name, on_panic = Attempt::Done(on_panic()), {
-            attempt(ready)
-        });
+        let step = ffi_boundary!(name, on_panic = Attempt::Done(fail()), { attempt(ready) });
         drop(no_cancel);
         match step {
             Attempt::Done(r) => return r,
@@ -234,14 +237,59 @@ pub(crate) fn blocking<R>(
                 fds,
                 count,
                 timeout_ms,
-            } => ready = wait_readable(&fds[..count.min(2)], timeout_ms),
+            } => match wait_readable(&fds[..count.min(2)], timeout_ms) {
+                Waited::Ready(r) => ready = r,
+                Waited::Interrupted if signal_ends_wait() => {
+                    let r = fail();
+                    set_errno(libc::EINTR);
+                    return r;
+                }
+                Waited::Interrupted => ready = [false; 2],
+            },
         }
     }
 }
 
+/// How a wait of [`blocking`] ended.
+enum Waited {
+    /// Which of its fds are readable (none: the timeout passed).
+    Ready([bool; 2]),
+    /// A signal handler ran (EINTR).
+    Interrupted,
+}
+
+/// Whether a signal that interrupted a blocking wait ends it with EINTR, as it ends the
+/// `read()` rdma-core and librdmacm block in: the kernel restarts that read after a handler
+/// installed with `SA_RESTART` (the caller never sees the signal) and fails it with EINTR
+/// after any other. `poll()` says only that some handler ran, not whose: the wait ends when
+/// some asynchronous signal has an application's handler without `SA_RESTART` (an
+/// application that installs one is written for EINTR from its blocking calls), and goes on
+/// otherwise. Left out: signals a fault raises in the faulting thread, which never interrupt
+/// a wait, and the handlers UCX installed as it loaded (its debug signal, SIGHUP, has one
+/// without `SA_RESTART` in every process).
+fn signal_ends_wait() -> bool {
+    const SYNCHRONOUS: [c_int; 6] = [
+        libc::SIGSEGV,
+        libc::SIGBUS,
+        libc::SIGFPE,
+        libc::SIGILL,
+        libc::SIGTRAP,
+        libc::SIGSYS,
+    ];
+    let ucx = crate::ucp::Ucx::get().ok();
+    (1..=libc::SIGRTMAX())
+        .filter(|sig| !SYNCHRONOUS.contains(sig))
+        .any(|sig| {
+            crate::ucp::signal_action(sig).is_some_and(|(handler, flags)| {
+                flags & libc::SA_RESTART == 0
+                    && !ucx.is_some_and(|u| u.installed_handler(sig, handler))
+            })
+        })
+}
+
 /// Blocks in `poll()` — a cancellation point, so only outside the boundary — until one of
-/// `fds` is readable or the timeout passes; which of them are readable.
-fn wait_readable(fds: &[RawFd], timeout_ms: c_int) -> [bool; 2] {
+/// `fds` is readable, the timeout passes or a signal handler runs.
+fn wait_readable(fds: &[RawFd], timeout_ms: c_int) -> Waited {
     let mut pfds = [libc::pollfd {
         fd: -1,
         events: libc::POLLIN,
@@ -252,8 +300,11 @@ fn wait_readable(fds: &[RawFd], timeout_ms: c_int) -> [bool; 2] {
     }
     // SAFETY: `pfds` holds `fds.len()` (<= 2) initialized pollfd structs.
     let n = unsafe { poll_cancellable(pfds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
-    if n <= 0 {
-        return [false; 2]; // timeout or EINTR: attempt again
+    if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+        return Waited::Interrupted;
     }
-    [pfds[0].revents != 0, pfds[1].revents != 0]
+    if n <= 0 {
+        return Waited::Ready([false; 2]); // the timeout, or a failure: attempt again
+    }
+    Waited::Ready([pfds[0].revents != 0, pfds[1].revents != 0])
 }

@@ -26,6 +26,8 @@ pub struct Ucx {
     handle: usize,
     namespace: Namespace,
     rdma: Rdma,
+    /// The signal handlers UCX installed as it loaded: (signal, handler address).
+    signal_handlers: Vec<(i32, usize)>,
 }
 
 /// Where ugdr's UCX lives.
@@ -132,6 +134,24 @@ fn dl_error() -> String {
     unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
 }
 
+/// The handler (its address) and the flags `signal` has now; None when it has none (default
+/// action, ignored) or cannot have one (SIGKILL, SIGSTOP, glibc's internal signals).
+pub fn signal_action(signal: i32) -> Option<(usize, i32)> {
+    // SAFETY: all-zero is a valid `sigaction` (no handler, empty mask).
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: a query (no new action); `old` is a valid out-parameter.
+    let queried = unsafe { libc::sigaction(signal, std::ptr::null(), &mut old) } == 0;
+    (queried && old.sa_sigaction != libc::SIG_DFL && old.sa_sigaction != libc::SIG_IGN)
+        .then_some((old.sa_sigaction, old.sa_flags))
+}
+
+/// Every signal with a handler now: (signal, handler address).
+fn signal_handlers() -> Vec<(i32, usize)> {
+    (1..=libc::SIGRTMAX())
+        .filter_map(|sig| signal_action(sig).map(|(handler, _)| (sig, handler)))
+        .collect()
+}
+
 impl Ucx {
     /// Loads libucp (once) and sets its module list.
     pub fn get() -> Result<&'static Ucx, Error> {
@@ -140,6 +160,7 @@ impl Ucx {
 
     fn load() -> Result<Ucx, Error> {
         let rdma = Rdma::from_env();
+        let handlers_before = signal_handlers();
         let (api, handle, namespace) = match load_in_own_namespace() {
             Ok((api, handle, lmid)) => (api, handle, Namespace::Own(lmid)),
             Err(reason) => {
@@ -171,13 +192,31 @@ impl Ucx {
                 tracing::warn!("ucx: cannot set MODULES=^ib,rdmacm (status {})", status.0);
             }
         }
-        tracing::debug!("ucx: loaded in namespace {namespace:?}, rdma modules {rdma:?}");
+        let signal_handlers: Vec<(i32, usize)> = signal_handlers()
+            .into_iter()
+            .filter(|h| !handlers_before.contains(h))
+            .collect();
+        tracing::debug!(
+            "ucx: loaded in namespace {namespace:?}, rdma modules {rdma:?}, signal handlers \
+             installed {:?}",
+            signal_handlers
+                .iter()
+                .map(|(sig, _)| sig)
+                .collect::<Vec<_>>()
+        );
         Ok(Ucx {
             api,
             handle,
             namespace,
             rdma,
+            signal_handlers,
         })
+    }
+
+    /// Whether the handler of `signal` now is one UCX installed as it loaded (its debug
+    /// signal, SIGHUP, and its backtrace on faults), not one of the application's.
+    pub fn installed_handler(&self, signal: i32, handler: usize) -> bool {
+        self.signal_handlers.contains(&(signal, handler))
     }
 
     pub fn namespace(&self) -> &Namespace {
