@@ -56,11 +56,13 @@ pub const FLAG_MULTICAST: u8 = 1 << 7;
 
 /// In `hints` of a SEND or WRITE: no completion at the requester waits for this message's
 /// acknowledgement (an unsignaled WR), so the responder need not send one of its own for it:
-/// it rides on the next message back, goes with a batch ([`crate::fake_verbs`]'s responder),
-/// or at the latest after the engine's longest ACK wait. Without it (a signaled WR, or a
-/// requester that gives no hints) the ACK goes as soon as the responder runs out of work, as
-/// IBA's AckReq asks. One ACK per message cost a stream of unsignaled 64-byte SENDs
-/// (perftest's default: one WR in 100 signaled) about a third of the requester's CPU.
+/// it rides on the next message back, goes with a batch of deliveries, or at the latest after
+/// the engine's longest ACK wait ([`super::dispatch::OWED_ACK_MAX_WAIT`]). Without it (a
+/// signaled WR, or a requester that gives no hints) the ACK goes as soon as the responder
+/// runs out of work, as IBA's AckReq asks. A responder faster than its requester ran out of
+/// work after nearly every message of a stream of unsignaled 64-byte SENDs (perftest's
+/// default: one WR in 100 signaled) and sent an ACK for each: under callgrind a fifth of the
+/// requester's instructions went to them.
 pub const HINT_ACK_MAY_WAIT: u8 = 1 << 0;
 
 /// Message kinds.
