@@ -153,8 +153,10 @@ fn a_sleeping_uc_sender_does_not_wait_for_a_timer_when_its_peers_fifo_was_full()
 /// `ibv_get_cq_event`, `ibv_get_async_event` and `rdma_get_cm_event` block as rdma-core's and
 /// librdmacm's `read()`: a signal whose handler was installed without `SA_RESTART` ends them
 /// with -1/EINTR, one with `SA_RESTART` does not (they return the event that comes later);
-/// tests/c/eintr.c checks both for each. ugdr went on waiting after any signal (the first
-/// scenario waited until the program made the event come, 3 s later).
+/// tests/c/eintr.c checks both for each, and that a signal sent to the process while the main
+/// thread blocks it reaches the program's waiting thread. ugdr went on waiting after any signal
+/// (the first scenario waited until the program made the event come, 3 s later), and the
+/// process-directed signal ran its handler on a thread of UCX's (every run of three).
 #[test]
 fn blocking_event_calls_end_with_eintr_only_for_handlers_without_sa_restart() {
     let exe = build_c("eintr", &["-libverbs", "-lrdmacm", "-lpthread"]);

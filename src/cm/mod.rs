@@ -104,9 +104,7 @@ impl From<crate::fake_verbs::VerbsError> for CmError {
 
 /// Starts one of the CM's threads (address resolution, a listener, a connection).
 fn spawn_cm_thread(name: &str, f: impl FnOnce() + Send + 'static) -> Result<(), CmError> {
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn(f)
+    crate::sys::process::spawn_thread(name, f)
         .map(drop)
         .map_err(|e| CmError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))
 }

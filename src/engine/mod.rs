@@ -129,8 +129,11 @@ impl Engine {
             eprintln!("ugdr: {e}; ugdr0 does not open");
             EngineError::Config(e)
         })?;
-        let context = ucp::Context::new()?;
-        let worker = Worker::new(context)?;
+        // UCX's threads start as the worker is made: without the application's signals
+        // (`sys::process::with_signals_blocked`).
+        let worker = crate::sys::process::with_signals_blocked(|| {
+            ucp::Context::new().and_then(Worker::new)
+        })?;
         worker.set_am_handler(wire::AM_ID, Box::new(dispatch))?;
         let address = worker.lock().address()?;
         let network = host_network().clone();
@@ -145,10 +148,10 @@ impl Engine {
             Ok(listener) => {
                 let dir = Directory::open()?;
                 let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
-                std::thread::Builder::new()
-                    .name("ugdr-lid-query".into())
-                    .spawn(move || address::serve_queries(listener, dir, secret))
-                    .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+                crate::sys::process::spawn_thread("ugdr-lid-query", move || {
+                    address::serve_queries(listener, dir, secret)
+                })
+                .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
                 Ok(port)
             }
             Err(e) => {
@@ -163,10 +166,10 @@ impl Engine {
         let stop = Arc::clone(&stopping);
         let activity = Arc::new(progress::Activity::default());
         let seen = Arc::clone(&activity);
-        let progress_thread = std::thread::Builder::new()
-            .name("ugdr-progress".into())
-            .spawn(move || progress::run(&progress_worker, &stop, &seen, progress))
-            .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+        let progress_thread = crate::sys::process::spawn_thread("ugdr-progress", move || {
+            progress::run(&progress_worker, &stop, &seen, progress)
+        })
+        .map_err(|e| EngineError::Os(e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         let memory = if direct::enabled() {
             direct::LocalMemory::new(lid)
                 .inspect_err(|e| tracing::debug!("direct path unavailable: {e}"))

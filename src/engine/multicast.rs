@@ -498,9 +498,7 @@ impl Discovery {
             port,
             joined: Mutex::new(HashSet::new()),
         };
-        std::thread::Builder::new()
-            .name("ugdr-multicast".into())
-            .spawn(discovery_loop)?;
+        crate::sys::process::spawn_thread("ugdr-multicast", discovery_loop)?;
         Ok(Some(d))
     }
 
@@ -663,9 +661,9 @@ fn heard(engine: &'static Engine, d: &Discovery, m: Message, time: u64, from: So
                 member.looking_up = true;
             }
             let (mgid, gid) = (m.mgid, m.gid);
-            let spawned = std::thread::Builder::new()
-                .name("ugdr-mcast-lookup".into())
-                .spawn(move || look_up_member(engine, mgid, gid, lid, ip));
+            let spawned = crate::sys::process::spawn_thread("ugdr-mcast-lookup", move || {
+                look_up_member(engine, mgid, gid, lid, ip)
+            });
             if let Err(e) = spawned {
                 tracing::debug!("multicast: no thread to look lid {lid:#06x} up: {e}");
                 lookup_done(&mgid, &gid, None);

@@ -532,10 +532,7 @@ mod service {
                 let addr = sock.local_addr().ok()?;
                 let w = Waker { sock, addr };
                 let fd = w.sock.as_raw_fd();
-                std::thread::Builder::new()
-                    .name("ugdr-rs-dgram".into())
-                    .spawn(move || serve(fd))
-                    .ok()?;
+                crate::sys::process::spawn_thread("ugdr-rs-dgram", move || serve(fd)).ok()?;
                 Some(w)
             })
             .as_ref()

@@ -3,7 +3,10 @@
  * without SA_RESTART ends them with -1 and errno EINTR, as the kernel ends the read(); with
  * SA_RESTART they go on waiting (the kernel restarts the read) and return the event that
  * comes later. The signal goes to the waiting thread (pthread_kill) from a helper thread,
- * which later makes the event come. Prints "eintr: ok". */
+ * which later makes the event come. Last, a signal sent to the process reaches the program's
+ * waiting thread, not one of ugdr's or UCX's, when the main thread blocks it. Prints
+ * "eintr: ok". */
+#define _GNU_SOURCE /* gettid */
 #include "verbs_test.h"
 #include <pthread.h>
 #include <rdma/rdma_cma.h>
@@ -89,6 +92,17 @@ static int wait_once(enum call c)
         if (rc == 0) {
             CHECK(ev_cq == cq, "event for another CQ");
             ibv_ack_cq_events(ev_cq, 1);
+            /* The SEND's and the receive's completions (the CQ empty for the next wait). */
+            for (int k = 0; k < 2; k++) {
+                struct ibv_wc wc;
+                CHECK(poll_one(cq, &wc) == 1, "completion %d of the event's message", k);
+                int send = wc.wr_id == 8;
+                CHECK(wc.status == IBV_WC_SUCCESS && (send || wc.wr_id == 7) &&
+                          wc.opcode == (send ? IBV_WC_SEND : IBV_WC_RECV) &&
+                          wc.qp_num == (send ? qa : qb)->qp_num && (send || wc.byte_len == 8),
+                      "completion wr_id %llu status %d opcode %d qp %u len %u",
+                      (unsigned long long)wc.wr_id, wc.status, wc.opcode, wc.qp_num, wc.byte_len);
+            }
         }
         return rc;
     }
@@ -140,6 +154,53 @@ static void scenario(enum call c, int with_restart)
               (int)fired, ms);
 }
 
+/* A signal sent to the process, not to a thread: the kernel hands it to a thread that does
+ * not block it. The main thread blocks it and another of the program's threads waits: that
+ * one must get it (and its call end with EINTR), never one of ugdr's or UCX's threads. */
+static volatile pid_t handled_on;
+static void on_process_signal(int sig) { (void)sig; handled_on = gettid(); }
+
+struct waited { int rc, err; pid_t tid; };
+
+static void *process_signal_waiter(void *arg)
+{
+    struct waited *w = arg;
+    w->tid = gettid();
+    CHECK(ibv_req_notify_cq(cq, 0) == 0, "req_notify");
+    errno = 0;
+    w->rc = wait_once(CQ_EVENT);
+    w->err = errno;
+    __atomic_store_n(&returned, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+static void process_directed_signal(void)
+{
+    struct sigaction sa = { .sa_handler = on_process_signal, .sa_flags = 0 };
+    sigemptyset(&sa.sa_mask);
+    CHECK(sigaction(SIGUSR2, &sa, NULL) == 0, "sigaction");
+    handled_on = 0;
+    __atomic_store_n(&returned, 0, __ATOMIC_RELEASE);
+    struct waited w = { 0 };
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, process_signal_waiter, &w) == 0, "pthread_create");
+    sigset_t usr2, old;
+    sigemptyset(&usr2);
+    sigaddset(&usr2, SIGUSR2);
+    CHECK(pthread_sigmask(SIG_BLOCK, &usr2, &old) == 0, "block SIGUSR2");
+    usleep(200000);
+    CHECK(kill(getpid(), SIGUSR2) == 0, "kill");
+    for (int i = 0; i < 300 && !__atomic_load_n(&returned, __ATOMIC_ACQUIRE); i++)
+        usleep(10000);
+    if (!__atomic_load_n(&returned, __ATOMIC_ACQUIRE))
+        make_event(CQ_EVENT);
+    pthread_join(t, NULL);
+    CHECK(w.rc == -1 && w.err == EINTR && handled_on == w.tid,
+          "process-directed signal: rc %d errno %d, handled on thread %d, waiter %d", w.rc, w.err,
+          (int)handled_on, (int)w.tid);
+    CHECK(pthread_sigmask(SIG_SETMASK, &old, NULL) == 0, "unblock");
+}
+
 int main(void)
 {
     int n;
@@ -170,6 +231,7 @@ int main(void)
         scenario(c, 0);
         scenario(c, 1);
     }
+    process_directed_signal();
     rdma_destroy_id(cm_id);
     rdma_destroy_event_channel(cm_channel);
     printf("eintr: ok\n");
