@@ -28,13 +28,19 @@ pub fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
     ] {
         block.remove(fault);
     }
+    /// Restores the caller's mask, also if `f` unwinds.
+    struct Restore(Option<SigSet>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(old) = &self.0 {
+                let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(old), None);
+            }
+        }
+    }
     let mut old = SigSet::empty();
     let masked = pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&block), Some(&mut old)).is_ok();
-    let out = f();
-    if masked {
-        let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&old), None);
-    }
-    out
+    let _restore = Restore(masked.then_some(old));
+    f()
 }
 
 /// Starts one of ugdr's own threads, named `name`, with the signals of
