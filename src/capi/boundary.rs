@@ -268,19 +268,12 @@ enum Waited {
 /// a wait, and the handlers UCX installed as it loaded (its debug signal, SIGHUP, has one
 /// without `SA_RESTART` in every process).
 fn signal_ends_wait() -> bool {
-    const SYNCHRONOUS: [c_int; 6] = [
-        libc::SIGSEGV,
-        libc::SIGBUS,
-        libc::SIGFPE,
-        libc::SIGILL,
-        libc::SIGTRAP,
-        libc::SIGSYS,
-    ];
+    use crate::sys::process::{FAULT_SIGNALS, signal_action};
     let ucx = crate::ucp::Ucx::get().ok();
     (1..=libc::SIGRTMAX())
-        .filter(|sig| !SYNCHRONOUS.contains(sig))
+        .filter(|sig| !FAULT_SIGNALS.contains(sig))
         .any(|sig| {
-            crate::ucp::signal_action(sig).is_some_and(|(handler, flags)| {
+            signal_action(sig).is_some_and(|(handler, flags)| {
                 flags & libc::SA_RESTART == 0
                     && !ucx.is_some_and(|u| u.installed_handler(sig, handler))
             })

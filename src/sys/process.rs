@@ -8,7 +8,29 @@ pub fn at_exit(f: extern "C" fn()) -> bool {
     unsafe { libc::atexit(f) == 0 }
 }
 
-/// Runs `f` with every signal blocked in the calling thread but those a fault raises (which
+/// The signals a fault raises in the faulting thread: they reach it whatever its mask, and
+/// never interrupt another thread's wait.
+pub const FAULT_SIGNALS: [i32; 6] = [
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGFPE,
+    libc::SIGILL,
+    libc::SIGTRAP,
+    libc::SIGSYS,
+];
+
+/// The handler (its address) and the flags `signal` has now; None when it has none (default
+/// action, ignored) or cannot have one (SIGKILL, SIGSTOP, glibc's internal signals).
+pub fn signal_action(signal: i32) -> Option<(usize, i32)> {
+    // SAFETY: all-zero is a valid `sigaction` (no handler, empty mask).
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: a query (no new action); `old` is a valid out-parameter.
+    let queried = unsafe { libc::sigaction(signal, std::ptr::null(), &mut old) } == 0;
+    (queried && old.sa_sigaction != libc::SIG_DFL && old.sa_sigaction != libc::SIG_IGN)
+        .then_some((old.sa_sigaction, old.sa_flags))
+}
+
+/// Runs `f` with every signal blocked in the calling thread but [`FAULT_SIGNALS`] (which
 /// reach the faulting thread whatever its mask), then restores its mask (a signal that came
 /// meanwhile is delivered then). Threads started inside inherit the mask: ugdr's own, and
 /// UCX's (its async thread starts while the worker is made). rdma-core starts no thread, so a
@@ -18,14 +40,10 @@ pub fn at_exit(f: extern "C" fn()) -> bool {
 pub fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
     use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
     let mut block = SigSet::all();
-    for fault in [
-        Signal::SIGSEGV,
-        Signal::SIGBUS,
-        Signal::SIGFPE,
-        Signal::SIGILL,
-        Signal::SIGTRAP,
-        Signal::SIGSYS,
-    ] {
+    for fault in FAULT_SIGNALS
+        .into_iter()
+        .filter_map(|s| Signal::try_from(s).ok())
+    {
         block.remove(fault);
     }
     /// Restores the caller's mask, also if `f` unwinds.

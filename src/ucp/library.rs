@@ -134,21 +134,10 @@ fn dl_error() -> String {
     unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
 }
 
-/// The handler (its address) and the flags `signal` has now; None when it has none (default
-/// action, ignored) or cannot have one (SIGKILL, SIGSTOP, glibc's internal signals).
-pub fn signal_action(signal: i32) -> Option<(usize, i32)> {
-    // SAFETY: all-zero is a valid `sigaction` (no handler, empty mask).
-    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
-    // SAFETY: a query (no new action); `old` is a valid out-parameter.
-    let queried = unsafe { libc::sigaction(signal, std::ptr::null(), &mut old) } == 0;
-    (queried && old.sa_sigaction != libc::SIG_DFL && old.sa_sigaction != libc::SIG_IGN)
-        .then_some((old.sa_sigaction, old.sa_flags))
-}
-
 /// Every signal with a handler now: (signal, handler address).
 fn signal_handlers() -> Vec<(i32, usize)> {
     (1..=libc::SIGRTMAX())
-        .filter_map(|sig| signal_action(sig).map(|(handler, _)| (sig, handler)))
+        .filter_map(|sig| sys::process::signal_action(sig).map(|(handler, _)| (sig, handler)))
         .collect()
 }
 

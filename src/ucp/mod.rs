@@ -19,7 +19,7 @@ mod status;
 mod worker;
 
 pub use endpoint::{Endpoint, ErrorHandler, OwnedBytes, SendDone, SendPayload, SendState};
-pub use library::{Namespace, Rdma, Ucx, signal_action, ucx_version};
+pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
     AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, RegionExtent, SpanList,
     anything_registered, gather, gather_into, hold_all, invalidate_range, scatter,
