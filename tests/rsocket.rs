@@ -656,7 +656,7 @@ fn rsocket_credit_writes_take_the_direct_path() {
     );
     assert!(
         logs.lines().any(|l| l.contains("direct path to pid")
-            && !l.contains(": 0 writes")
+            && !l.contains(", 0 writes")
             && l.ends_with(", 0 fell back to messages")),
         "no credit write took the direct path:\n{logs}"
     );

@@ -20,9 +20,10 @@
 //! the lock: once a withdrawal returns, nothing more lands.
 
 use super::Engine;
-pub use crate::shared_memory::AtomicOp;
+pub use crate::shared_memory::{AtomicOp, ReceiveRing};
 use crate::shared_memory::{
-    Backing, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, Table, read_process, write_process,
+    Backing, ENTRY_DATA, FILLED_WITH_IMM, MAX_ENTRIES, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS,
+    Table, read_process, write_process,
 };
 use crate::ucp::AppSpan;
 use rustc_hash::FxBuildHasher;
@@ -80,6 +81,9 @@ pub fn part_pages_note() -> String {
 /// How often the direct path was taken, and how often it fell back to messages.
 #[derive(Default)]
 pub struct DirectCounters {
+    /// SENDs placed in a peer's receive ring, and those that went as messages instead.
+    pub sends: AtomicU64,
+    pub sends_as_messages: AtomicU64,
     pub writes: AtomicU64,
     pub reads: AtomicU64,
     pub atomics: AtomicU64,
@@ -87,6 +91,8 @@ pub struct DirectCounters {
 }
 
 pub static COUNTERS: DirectCounters = DirectCounters {
+    sends: AtomicU64::new(0),
+    sends_as_messages: AtomicU64::new(0),
     writes: AtomicU64::new(0),
     reads: AtomicU64::new(0),
     atomics: AtomicU64::new(0),
@@ -316,8 +322,17 @@ impl LocalMemory {
         }
     }
 
-    /// Publishes QP `qpn` as reachable by its peer (`peer_lid`, `peer_qpn`) with `access`.
-    pub fn publish_qp(&self, qpn: u32, pd: u32, access: u32, peer_lid: u16, peer_qpn: u32) {
+    /// Publishes QP `qpn` as reachable by its peer (`peer_lid`, `peer_qpn`) with `access`,
+    /// and its receive ring if it has one.
+    pub fn publish_qp(
+        &self,
+        qpn: u32,
+        pd: u32,
+        access: u32,
+        peer: (u16, u32),
+        ring: Option<&OwnReceiveRing>,
+    ) {
+        let (peer_lid, peer_qpn) = peer;
         let s = self.table.qp(qp_slot(qpn));
         let seq = s.seq.load(Ordering::Relaxed);
         if seq.is_multiple_of(2) {
@@ -330,6 +345,10 @@ impl LocalMemory {
         s.access.store(access, Ordering::Relaxed);
         s.peer_lid.store(u32::from(peer_lid), Ordering::Relaxed);
         s.peer_qpn.store(peer_qpn, Ordering::Relaxed);
+        s.ring_fd
+            .store(ring.map_or(-1, |r| r.ring.fd()), Ordering::Relaxed);
+        s.ring_ino
+            .store(ring.map_or(0, |r| r.ring.ino()), Ordering::Relaxed);
         s.seq.store(seq + 1, Ordering::Release);
     }
 
@@ -405,6 +424,187 @@ pub enum Refused {
     NotPublished,
     /// The peer's memory could not be mapped or copied.
     Unreachable,
+    /// A SEND found no receive WR it may take (none posted, or the next one takes messages
+    /// only: its buffers are not all valid, or too small).
+    NoReceive,
+}
+
+/// The largest SEND the same-host SEND path carries (a receive ring entry's bytes).
+pub const SEND_MAX: usize = ENTRY_DATA;
+
+/// A SEND to place in a peer's receive ring ([`PeerMemory::send`]).
+pub struct SendToRing<'a> {
+    /// Its bytes (at most [`SEND_MAX`]).
+    pub spans: &'a [AppSpan],
+    pub imm_data: Option<u32>,
+    pub psn: u32,
+    /// The sending QP: this process's port LID and the QP's number.
+    pub from: (u16, u32),
+    /// The peer's QP.
+    pub dst_qpn: u32,
+}
+
+/// A message a same-host peer placed in a receive WR of this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placed {
+    pub byte_len: u32,
+    pub imm_data: Option<u32>,
+    pub psn: u32,
+}
+
+/// Receive rings in this process, and the most it makes.
+static RECEIVE_RINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+pub const MAX_RECEIVE_RINGS: usize = 256;
+
+/// A queue pair's receive ring, owner side: the same-host SEND path (docs/design.md). The
+/// owner posts each receive WR into it, in order; its connected peer takes the next one
+/// (holding the QP's slot lock, as for a direct WRITE) and places a small SEND in it; the
+/// owner completes placed WRs in order when its receive CQ is polled, and takes the next WR
+/// itself (through the same cursor) for each message that arrives through UCX.
+pub struct OwnReceiveRing {
+    ring: ReceiveRing,
+    /// The receive WRs completed so far (or taken by messages): the next one to complete.
+    /// Changed under the QP's lock; read without it to tell whether a poll has work.
+    collected: AtomicU64,
+}
+
+impl OwnReceiveRing {
+    /// A ring for a receive queue of `max_recv_wr` WRs. Each ring holds a descriptor (peers
+    /// open it through `/proc`): beyond [`MAX_RECEIVE_RINGS`] in the process, queue pairs
+    /// go without (EMFILE), so that ugdr never takes many of the application's descriptors.
+    pub fn create(max_recv_wr: u32) -> std::io::Result<OwnReceiveRing> {
+        if RECEIVE_RINGS.fetch_add(1, Ordering::Relaxed) >= MAX_RECEIVE_RINGS {
+            RECEIVE_RINGS.fetch_sub(1, Ordering::Relaxed);
+            return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+        }
+        let ring = Self::create_counted(max_recv_wr);
+        if ring.is_err() {
+            RECEIVE_RINGS.fetch_sub(1, Ordering::Relaxed);
+        }
+        ring
+    }
+
+    fn create_counted(max_recv_wr: u32) -> std::io::Result<OwnReceiveRing> {
+        let capacity = max_recv_wr.max(1).checked_next_power_of_two();
+        let capacity = capacity
+            .filter(|c| *c <= MAX_ENTRIES)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        Ok(OwnReceiveRing {
+            ring: ReceiveRing::create(capacity)?,
+            collected: AtomicU64::new(0),
+        })
+    }
+
+    /// Receive WRs posted so far.
+    pub fn posted(&self) -> u64 {
+        self.ring.posted()
+    }
+
+    /// Posts the next receive WR (`posted()`-th): `room` bytes of buffers; `direct`: a
+    /// placed SEND may land in them (else the peer leaves it to messages). The ring holds at
+    /// least as many entries as the queue WRs: the caller never posts more than that beyond
+    /// `collected()`.
+    pub fn post(&self, room: u64, direct: bool) {
+        let index = self.ring.posted();
+        let entry = self.ring.entry(index);
+        entry.filled_as.store(0, Ordering::Relaxed);
+        entry
+            .room
+            .store(room.min(ENTRY_DATA as u64) as u32, Ordering::Relaxed);
+        entry
+            .posted_as
+            .store(if direct { index + 1 } else { 0 }, Ordering::Relaxed);
+        self.ring.set_posted(index + 1);
+    }
+
+    /// The PSN the next placed SEND must carry: the QP's expected one (set when the QP
+    /// enters RTR, and after messages advanced it; placed SENDs advance it themselves).
+    pub fn set_expected_psn(&self, psn: u32) {
+        self.ring.set_expected_psn(psn);
+    }
+
+    pub fn collected(&self) -> u64 {
+        self.collected.load(Ordering::Relaxed)
+    }
+
+    /// Whether the next receive WR to complete holds a placed message (no lock needed).
+    pub fn arrived(&self) -> bool {
+        let i = self.collected.load(Ordering::Relaxed);
+        i < self.ring.posted() && self.ring.entry(i).filled_as.load(Ordering::Acquire) == i + 1
+    }
+
+    /// The message placed in the next receive WR to complete, if any; read into `out` (at
+    /// least [`SEND_MAX`] bytes). A length the WR has no room for (a peer that broke the
+    /// protocol) reads as none.
+    pub fn take_placed(&self, out: &mut [u8]) -> Option<Placed> {
+        let i = self.collected.load(Ordering::Relaxed);
+        if i >= self.ring.posted() {
+            return None;
+        }
+        let entry = self.ring.entry(i);
+        if entry.filled_as.load(Ordering::Acquire) != i + 1 {
+            return None;
+        }
+        let byte_len = entry.byte_len.load(Ordering::Relaxed);
+        let room = entry.room.load(Ordering::Relaxed);
+        if byte_len > room || byte_len as usize > out.len() {
+            return None;
+        }
+        let imm_data = (entry.flags.load(Ordering::Relaxed) & FILLED_WITH_IMM != 0)
+            .then(|| entry.imm_data.load(Ordering::Relaxed));
+        let psn = entry.psn.load(Ordering::Relaxed) & super::wire::PSN_MASK;
+        self.ring.read_data(i, &mut out[..byte_len as usize]);
+        self.collected.store(i + 1, Ordering::Relaxed);
+        Some(Placed {
+            byte_len,
+            imm_data,
+            psn,
+        })
+    }
+
+    /// Takes the next receive WR for a message that arrived through UCX: false when the peer
+    /// took it (its SEND is being placed, or was: complete it first).
+    pub fn take_for_message(&self) -> bool {
+        let i = self.collected.load(Ordering::Relaxed);
+        if i >= self.ring.posted() {
+            return false;
+        }
+        if self.ring.take(i) {
+            self.collected.store(i + 1, Ordering::Relaxed);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The `index`-th receive WR (posted, not yet taken) takes no placed SEND any more.
+    pub fn refuse(&self, index: u64) {
+        if index < self.ring.posted() {
+            self.ring.entry(index).posted_as.store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// Skips the next receive WR (flushed): it takes nothing more.
+    pub fn skip(&self) {
+        let i = self.collected.load(Ordering::Relaxed);
+        if i < self.ring.posted() {
+            let _ = self.ring.take(i);
+            self.collected.store(i + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// Empties the ring (the QP was reset or destroyed): only once the QP is withdrawn, so
+    /// that no peer uses it.
+    pub fn reset(&self) {
+        self.ring.reset();
+        self.collected.store(0, Ordering::Relaxed);
+    }
+}
+
+impl Drop for OwnReceiveRing {
+    fn drop(&mut self) {
+        RECEIVE_RINGS.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A peer process on this host whose published memory this process maps (requester side).
@@ -455,6 +655,25 @@ impl PeerMemory {
         rkey: u32,
         remote_addr: u64,
     ) -> Result<(), Refused> {
+        let result = self.holding_slot(dst_qpn, || {
+            self.access_locked(op, spans, my_lid, my_qpn, dst_qpn, rkey, remote_addr)
+        });
+        self.count(match (&result, op) {
+            (Ok(()), DirectAccess::Write) => &COUNTERS.writes,
+            (Ok(()), DirectAccess::Read) => &COUNTERS.reads,
+            (Ok(()), DirectAccess::Atomic(_)) => &COUNTERS.atomics,
+            (Err(_), _) => &COUNTERS.fallbacks,
+        });
+        result
+    }
+
+    /// Runs `f` holding the peer's QP slot `dst_qpn`'s lock (the fence's other side: the
+    /// owner withdraws a slot, then waits until no lock is held); Busy if another holds it.
+    fn holding_slot(
+        &self,
+        dst_qpn: u32,
+        f: impl FnOnce() -> Result<(), Refused>,
+    ) -> Result<(), Refused> {
         let qp = self.table.qp(qp_slot(dst_qpn));
         if qp
             .lock
@@ -463,27 +682,17 @@ impl PeerMemory {
         {
             return Err(Refused::Busy);
         }
-        let result = self.access_locked(op, spans, my_lid, my_qpn, dst_qpn, rkey, remote_addr);
+        let result = f();
         qp.lock.store(0, Ordering::Release);
-        let counter = match (&result, op) {
-            (Ok(()), DirectAccess::Write) => &COUNTERS.writes,
-            (Ok(()), DirectAccess::Read) => &COUNTERS.reads,
-            (Ok(()), DirectAccess::Atomic(_)) => &COUNTERS.atomics,
-            (Err(_), _) => &COUNTERS.fallbacks,
-        };
+        result
+    }
+
+    /// Counts one outcome; the counts are logged at each power of two.
+    fn count(&self, counter: &AtomicU64) {
         let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
         if n.is_power_of_two() {
-            // Observable with UGDR_LOG=debug, at a logarithmic cost.
-            tracing::debug!(
-                "direct path to pid {}: {} writes, {} reads, {} atomics, {} fell back to messages",
-                self.pid,
-                COUNTERS.writes.load(Ordering::Relaxed),
-                COUNTERS.reads.load(Ordering::Relaxed),
-                COUNTERS.atomics.load(Ordering::Relaxed),
-                COUNTERS.fallbacks.load(Ordering::Relaxed)
-            );
+            self.log_counts();
         }
-        result
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -582,6 +791,131 @@ impl PeerMemory {
             }
             Refused::Unreachable
         })
+    }
+
+    /// Whether the peer's QP `dst_qpn` publishes a receive ring (it takes placed SENDs).
+    pub fn takes_placed_sends(&self, dst_qpn: u32) -> bool {
+        let qp = self.table.qp(qp_slot(dst_qpn));
+        !self.is_this_process()
+            && qp.qpn.load(Ordering::Relaxed) == dst_qpn
+            && qp.ring_fd.load(Ordering::Relaxed) >= 0
+            && qp.ring_ino.load(Ordering::Relaxed) != 0
+    }
+
+    /// Whether the peer is this process (whose QPs' completions may share CQs, where a
+    /// receive is expected before the send it answers completes: such SENDs go as messages).
+    pub fn is_this_process(&self) -> bool {
+        self.pid as u32 == self.me
+    }
+
+    /// The same-host SEND path: places a SEND of the local `spans` (at most [`SEND_MAX`]
+    /// bytes, with `imm_data`, numbered `psn`) in the next receive WR of the peer's QP
+    /// `dst_qpn`, from this process's QP `my_qpn` on port `my_lid`, under the same QP checks
+    /// as a direct WRITE, and only if `psn` is the one the peer's QP expects (a requester
+    /// whose numbering the responder does not share delivers nothing, as on the message
+    /// path). `ring` caches the peer's ring mapped here (the requester QP keeps it).
+    pub fn send(
+        &self,
+        ring: &mut Option<Arc<ReceiveRing>>,
+        send: &SendToRing<'_>,
+    ) -> Result<(), Refused> {
+        let result = self.holding_slot(send.dst_qpn, || self.send_locked(ring, send));
+        self.count(match result {
+            Ok(()) => &COUNTERS.sends,
+            Err(_) => &COUNTERS.sends_as_messages,
+        });
+        result
+    }
+
+    fn send_locked(
+        &self,
+        cache: &mut Option<Arc<ReceiveRing>>,
+        &SendToRing {
+            spans,
+            imm_data,
+            psn,
+            from: (my_lid, my_qpn),
+            dst_qpn,
+        }: &SendToRing<'_>,
+    ) -> Result<(), Refused> {
+        let qp = self.table.qp(qp_slot(dst_qpn));
+        let qp_seq = qp.seq.load(Ordering::SeqCst);
+        if qp_seq % 2 == 1
+            || qp.qpn.load(Ordering::Relaxed) != dst_qpn
+            || qp.peer_lid.load(Ordering::Relaxed) != u32::from(my_lid)
+            || qp.peer_qpn.load(Ordering::Relaxed) != my_qpn
+        {
+            return Err(Refused::NotPublished);
+        }
+        let fd = qp.ring_fd.load(Ordering::Relaxed);
+        let ino = qp.ring_ino.load(Ordering::Relaxed);
+        if fd < 0 || ino == 0 {
+            return Err(Refused::NotPublished);
+        }
+        let ring = match cache {
+            Some(r) if r.ino() == ino => Arc::clone(r),
+            _ => {
+                let r = ReceiveRing::open_peer(self.pid, fd, ino).map_err(|e| {
+                    tracing::debug!("cannot map a receive ring of pid {}: {e}", self.pid);
+                    Refused::Unreachable
+                })?;
+                let r = Arc::new(r);
+                *cache = Some(Arc::clone(&r));
+                r
+            }
+        };
+        if ring.expected_psn() != psn {
+            return Err(Refused::NotPublished);
+        }
+        let len: usize = spans.iter().map(AppSpan::len).sum();
+        let index = ring.taken();
+        if index >= ring.posted() {
+            return Err(Refused::NoReceive);
+        }
+        let entry = ring.entry(index);
+        if entry.posted_as.load(Ordering::Acquire) != index + 1
+            || len > entry.room.load(Ordering::Relaxed) as usize
+            || len > SEND_MAX
+        {
+            return Err(Refused::NoReceive);
+        }
+        if !ring.take(index) {
+            return Err(Refused::Busy);
+        }
+        // Taken: it is placed now (the length was checked, so the copy cannot fail).
+        ring.write_data(index, spans)
+            .map_err(|_| Refused::NotPublished)?;
+        entry.byte_len.store(len as u32, Ordering::Relaxed);
+        entry
+            .imm_data
+            .store(imm_data.unwrap_or(0), Ordering::Relaxed);
+        entry.flags.store(
+            if imm_data.is_some() {
+                FILLED_WITH_IMM
+            } else {
+                0
+            },
+            Ordering::Relaxed,
+        );
+        entry.psn.store(psn, Ordering::Relaxed);
+        ring.set_expected_psn(super::wire::psn_add(psn, 1));
+        entry.filled_as.store(index + 1, Ordering::Release);
+        Ok(())
+    }
+
+    fn log_counts(&self) {
+        // Observable with UGDR_LOG=debug, at a logarithmic cost.
+        tracing::debug!(
+            "direct path to pid {}: {} sends placed, {} sent as messages, {} writes, {} reads, \
+             {} atomics, {} fell back to messages",
+            self.pid,
+            COUNTERS.sends.load(Ordering::Relaxed),
+            COUNTERS.sends_as_messages.load(Ordering::Relaxed),
+            COUNTERS.writes.load(Ordering::Relaxed),
+            COUNTERS.reads.load(Ordering::Relaxed),
+            COUNTERS.atomics.load(Ordering::Relaxed),
+            COUNTERS.fallbacks.load(Ordering::Relaxed)
+        );
     }
 
     fn backing(&self, fd: i32, ino: u64) -> Result<Arc<PeerBacking>, Refused> {

@@ -5,9 +5,11 @@ use super::clock;
 use super::context::{DeviceContext, EVENT_CQ_ERR};
 use super::event_queue::EventQueue;
 use super::work::{WcStatus, WorkCompletion};
+use crate::engine::direct::OwnReceiveRing;
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 /// A completion channel (`ibv_comp_channel`): delivers "CQ has a completion" events, one per
 /// arming, through a pollable fd. Events carry the C handle of the CQ.
@@ -118,7 +120,20 @@ pub struct CompletionQueue {
     users: AtomicUsize,
     events: Mutex<(u64, u64)>, // (delivered, acknowledged)
     events_acked: Condvar,
+    /// The receive rings of the QPs whose receives complete here and that same-host peers
+    /// place SENDs in (`qp/placed.rs`): a poll completes what they placed first.
+    placed_sources: Mutex<Vec<PlacedSource>>,
+    /// How many there are (read without the lock on every poll).
+    placed_count: AtomicUsize,
 }
+
+/// A receive queue whose WRs a same-host peer places SENDs in: the QP completes them.
+pub trait PlacedArrivals: Send + Sync {
+    /// Completes the receive WRs whose messages were placed, in order.
+    fn complete_placed_now(self: Arc<Self>);
+}
+
+type PlacedSource = (Arc<OwnReceiveRing>, Weak<dyn PlacedArrivals>);
 
 impl CompletionQueue {
     pub fn new(
@@ -156,6 +171,8 @@ impl CompletionQueue {
             users: AtomicUsize::new(0),
             events: Mutex::new((0, 0)),
             events_acked: Condvar::new(),
+            placed_sources: Mutex::new(Vec::new()),
+            placed_count: AtomicUsize::new(0),
         })
     }
 
@@ -243,8 +260,12 @@ impl CompletionQueue {
         }
     }
 
-    /// Takes up to `max` completions, oldest first.
+    /// Takes up to `max` completions, oldest first (after completing the receives same-host
+    /// peers placed SENDs in).
     pub fn poll(&self, max: usize, sink: impl FnMut(&WorkCompletion)) -> usize {
+        if self.placed_count.load(Ordering::Relaxed) > 0 {
+            self.complete_placed();
+        }
         if self.queued.load(Ordering::Acquire) == 0 {
             return 0; // as if polled a moment before a completion being added now
         }
@@ -277,6 +298,45 @@ impl CompletionQueue {
         }
         progress();
         self.poll(max, sink)
+    }
+
+    /// `source`'s receives complete on this CQ, and a peer places SENDs in them.
+    pub fn add_placed_source(&self, ring: Arc<OwnReceiveRing>, source: Weak<dyn PlacedArrivals>) {
+        let mut sources = self
+            .placed_sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        sources.push((ring, source));
+        self.placed_count.store(sources.len(), Ordering::Relaxed);
+    }
+
+    /// The QP of `ring` is gone.
+    pub fn remove_placed_source(&self, ring: &Arc<OwnReceiveRing>) {
+        let mut sources = self
+            .placed_sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        sources.retain(|(r, _)| !Arc::ptr_eq(r, ring));
+        self.placed_count.store(sources.len(), Ordering::Relaxed);
+    }
+
+    /// Has the QPs whose rings hold placed SENDs complete them (without this CQ's locks: a
+    /// QP's lock comes before its CQs').
+    fn complete_placed(&self) {
+        let arrived: SmallVec<[Arc<dyn PlacedArrivals>; 2]> = {
+            let sources = self
+                .placed_sources
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            sources
+                .iter()
+                .filter(|(ring, _)| ring.arrived())
+                .filter_map(|(_, qp)| qp.upgrade())
+                .collect()
+        };
+        for qp in arrived {
+            qp.complete_placed_now();
+        }
     }
 
     /// Removes the completions of QP `qp_num` not yet polled (the QP was reset), as mlx4,

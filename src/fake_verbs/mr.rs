@@ -419,6 +419,7 @@ impl MemoryRegion {
         let old = Arc::clone(&current);
         // Same-host peers fenced off the old one before the new one takes its slot; until
         // the keys name the new one below, an access goes by message to the old one.
+        super::qp::fence_placed_receives(old.lkey);
         old.withdraw();
         let new = Registration::new(
             pd,
@@ -456,6 +457,7 @@ impl MemoryRegion {
         }
         let reg = Arc::clone(&current);
         drop(current);
+        super::qp::fence_placed_receives(reg.lkey);
         BY_LKEY.remove(&reg.lkey);
         BY_RKEY.remove(&reg.rkey);
         lkeys_changed();
@@ -610,6 +612,25 @@ impl KeyCache {
             }
         });
     }
+}
+
+/// Whether `sges` name live, pinned (not on-demand) memory of `pd` with local write access
+/// (what [`local_spans_cached`] would cut for a receive), without cutting spans.
+pub fn receive_sges_pinned(pd: &Arc<ProtectionDomain>, sges: &[Sge], cache: &mut KeyCache) -> bool {
+    sges.iter().filter(|s| s.length > 0).all(|sge| {
+        let Some(mr) = cache.by_lkey(sge.lkey) else {
+            return false;
+        };
+        mr.pd == Arc::as_ptr(pd) as usize
+            && mr.access & ACCESS_LOCAL_WRITE != 0
+            && mr.region.is_live()
+            && sge.addr.checked_sub(mr.iova).is_some_and(|offset| {
+                mr.region
+                    .addr()
+                    .checked_add(offset)
+                    .is_some_and(|addr| mr.region.holds_pinned(addr, u64::from(sge.length)))
+            })
+    })
 }
 
 /// [`local_spans`], looking lkeys up through `cache`.

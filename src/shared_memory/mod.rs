@@ -11,6 +11,9 @@
 //! * [`PeerTable`], [`PeerBacking`]: a peer's table and backings, mapped into this process
 //!   through `/proc/<pid>/fd/<n>` (which the kernel allows exactly when this process may
 //!   ptrace-read the peer: same user, peer dumpable, or CAP_SYS_PTRACE).
+//! * [`ReceiveRing`]: a queue pair's posted receive WRs as its same-host peer sees them, and
+//!   the small SENDs that peer places in them (a memfd per queue pair, mapped by the peer as
+//!   the table is).
 //! * [`write_process`], [`read_process`]: cross-memory attach (`process_vm_writev`/`readv`)
 //!   into a peer's own address space, for registered memory no backing holds (part of a page,
 //!   a private file mapping); the kernel allows it when this process may ptrace-attach the
@@ -20,9 +23,11 @@
 //! each with its `SAFETY:` line; everything above it is safe Rust.
 
 mod backing;
+mod ring;
 mod table;
 
 pub use backing::{AtomicOp, Backing, PeerBacking};
+pub use ring::{ENTRY_DATA, FILLED_WITH_IMM, MAX_ENTRIES, ReceiveRing};
 pub use table::{MR_SLOTS, MrSlot, PeerTable, QP_SLOTS, QpSlot, Table};
 
 use std::io;

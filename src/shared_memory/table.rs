@@ -8,9 +8,8 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 
-/// "ugdrMEM2" (version 2 of this layout: regions reachable through the owner's address
-/// space too).
-const MAGIC: u64 = 0x3249_4d45_4d52_4447;
+/// "ugdrMEM3" (version 3 of this layout: queue pairs publish their receive ring).
+const MAGIC: u64 = 0x3349_4d45_4d52_4447;
 /// The memfd name peers look for in `/proc/<pid>/fd`.
 const NAME: &str = "ugdr-table";
 
@@ -61,6 +60,10 @@ pub struct QpSlot {
     pub access: AtomicU32,
     pub peer_lid: AtomicU32,
     pub peer_qpn: AtomicU32,
+    /// The owner's descriptor of the QP's receive ring (-1 or 0 with inode 0: none), and the
+    /// ring file's inode.
+    pub ring_fd: AtomicI32,
+    pub ring_ino: AtomicU64,
 }
 
 const MR_OFFSET: usize = std::mem::size_of::<Header>();

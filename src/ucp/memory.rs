@@ -437,6 +437,17 @@ impl RegionExtent {
         self.pin.is_live()
     }
 
+    /// Whether `[addr, addr + len)` lies inside this region (overflow-safe) and the region
+    /// is pinned (not on-demand: whether its pages are mapped is known only at each access).
+    pub fn holds_pinned(&self, addr: u64, len: u64) -> bool {
+        let (Some(end), Some(region_end)) =
+            (addr.checked_add(len), self.addr.checked_add(self.len))
+        else {
+            return false;
+        };
+        !self.on_demand && addr >= self.addr && end <= region_end
+    }
+
     /// As [`AppRegion::span_for`].
     pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;

@@ -46,6 +46,8 @@ impl QueuePair {
         if let Some(memory) = Engine::local_memory() {
             memory.withdraw_qp(self.qp_num);
         }
+        // What they placed before is received, as a HCA's arrivals before the error are.
+        self.complete_placed(q);
         for e in q.sq.iter_mut().filter(|e| !e.pulling) {
             e.outcome = Some(match e.outcome {
                 Some(failed) if failed != WcStatus::Success => failed,
@@ -61,6 +63,7 @@ impl QueuePair {
         }
         self.release_landed(q);
         while let Some(r) = q.rq.pop_front() {
+            self.skip_offered_receive();
             let wc =
                 WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qp_num);
             self.flushed_receive_in_order(q, wc);

@@ -9,6 +9,7 @@
 //! | [`requester`] | `ibv_post_send`: checks, sequence numbers, headers, sending |
 //! | [`responder`] | RC arrivals: peer and sequence checks, RNR waiting, key checks, READ/atomic execution, ACKs |
 //! | [`receive`] | `ibv_post_recv`, receive checks, data placement, in-order receive completions |
+//! | [`placed`] | receives a same-host peer placed small SENDs in (the receive ring) |
 //! | [`completer`] | ACK/NAK and READ/atomic responses → send completions in post order; flush |
 //! | [`timer`] | the transport timer: retransmission, RETRY_EXC_ERR |
 //! | [`local`] | memory-window work: BIND_MW and LOCAL_INV in post order, remote invalidation |
@@ -22,6 +23,7 @@ mod attributes;
 mod completer;
 mod local;
 mod multicast;
+mod placed;
 mod queues;
 mod receive;
 mod requester;
@@ -34,6 +36,7 @@ mod xrc;
 
 pub use crate::engine::Peer;
 pub use attributes::{AddressVector, GlobalRoute, ModifyRequest, QpAttributes, QpCaps};
+pub use placed::fence_placed_receives;
 pub use xrc::XrcTarget;
 
 use super::VerbsError;
@@ -43,11 +46,12 @@ use super::qp_state::{QpState, QpType};
 use super::srq::SharedReceiveQueue;
 use super::work::WcStatus;
 use crate::engine::MessageReceiver;
+use crate::engine::direct::OwnReceiveRing;
 use crate::engine::wire::Header;
 use crate::ucp::{AmPayload, AppSpan, Endpoint, LockedWorker};
 use queues::{Deferred, Queues, release_kept};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How long `ibv_destroy_qp` waits for UCX to be done with the QP's application memory when
@@ -79,6 +83,9 @@ pub struct QueuePair {
     on_transport_error: Mutex<Option<TransportErrorHook>>,
     /// An XRC target QP's domain and handles ([`xrc`]).
     xrc_target: Option<XrcTarget>,
+    /// Its receive queue as a same-host peer sees it ([`placed`]), made once a peer on this
+    /// host is connected.
+    receive_ring: OnceLock<Arc<OwnReceiveRing>>,
 }
 
 /// What the owner of a QP (the connection manager) does when the QP's peer stopped answering.
@@ -123,6 +130,7 @@ impl QueuePair {
             ucx_io: AtomicU32::new(0),
             on_transport_error: Mutex::new(None),
             xrc_target: None,
+            receive_ring: OnceLock::new(),
         }))
     }
 
@@ -252,6 +260,7 @@ impl QueuePair {
             q.peer.as_ref().map(|p| Arc::clone(&p.endpoint))
         });
         self.wait_for_ucx_io(locked, peer.as_deref());
+        self.retire_receive_ring();
         self.on_transport_error(None);
         self.pd.release_child();
         self.send_cq.release_user();

@@ -10,6 +10,7 @@ use super::super::qp_state::QpState;
 use super::super::work::{RecvRequest, WcOpcode, WcStatus, WorkCompletion};
 use super::{AppSpan, QpAttributes, QueuePair};
 use crate::engine::Peer;
+use crate::engine::direct::ReceiveRing;
 use crate::engine::wire::{self, Header, Op};
 use crate::ucp::{AmData, AmPayload, Endpoint, LockedWorker, SendPayload, SpanList};
 use smallvec::SmallVec;
@@ -203,6 +204,10 @@ pub(super) struct Queues {
     /// The MRs the send WRs' and the receive WRs' lkeys named last.
     pub(super) send_keys: KeyCache,
     pub(super) recv_keys: KeyCache,
+    /// Requester: the same-host peer's receive ring, mapped here (the SEND path's cache).
+    pub(super) peer_ring: Option<Arc<ReceiveRing>>,
+    /// Responder: a receive WR a peer placed a SEND in failed; no later one completes.
+    pub(super) placed_failed: bool,
 }
 
 /// Most messages an RC QP in RTR keeps for later (ahead of sequence, or waiting for a receive
@@ -267,6 +272,8 @@ impl Queues {
             last_wqe_raised: false,
             send_keys: KeyCache::default(),
             recv_keys: KeyCache::default(),
+            peer_ring: None,
+            placed_failed: false,
         }
     }
 }

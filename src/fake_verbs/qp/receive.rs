@@ -47,7 +47,7 @@ impl QueuePair {
             _ => {}
         }
         self.check_post_recv(q, &req)?;
-        q.rq.push_back(req);
+        self.queue_receive(q, req);
         self.deliver_waiting(q);
         Ok(())
     }
@@ -82,7 +82,7 @@ impl QueuePair {
             return Ok(Some(req));
         }
         self.check_post_recv(&q, &req)?;
-        q.rq.push_back(req);
+        self.queue_receive(&mut q, req);
         Ok(None)
     }
 
@@ -90,7 +90,7 @@ impl QueuePair {
     pub(super) fn take_receive(&self, q: &mut Queues) -> Option<RecvRequest> {
         match &self.srq {
             Some(srq) => srq.take(),
-            None => q.rq.pop_front(),
+            None => self.take_own_receive(q),
         }
     }
 
@@ -308,7 +308,8 @@ impl QueuePair {
         }
     }
 
-    /// Completes a flushed receive WR after those still landing (see `flush`), in order.
+    /// Completes a receive WR (flushed, or one a same-host peer placed a SEND in) after those
+    /// still landing (see `flush`), in order.
     pub(super) fn flushed_receive_in_order(&self, q: &mut Queues, wc: WorkCompletion) {
         if q.landing.is_empty() {
             self.push_receive(wc, true);

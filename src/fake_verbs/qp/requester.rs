@@ -10,7 +10,7 @@ use super::super::work::{SendOpcode, SendRequest, WcStatus, WorkCompletion};
 use super::super::{VerbsError, device};
 use super::queues::{DataMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
-use crate::engine::direct::{AtomicOp, DirectAccess};
+use crate::engine::direct::{self, AtomicOp, DirectAccess};
 use crate::engine::wire::{self, Header, Op};
 use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState};
 use smallvec::SmallVec;
@@ -441,9 +441,17 @@ impl QueuePair {
             // XRC_SEND QP owes no ACK to piggyback (it executes no request).
             header.set_xrc_srqn(req.xrc_srqn);
         }
+        // Toward a same-host peer that takes placed SENDs, what follows a message goes as a
+        // message too until it is acknowledged: its ACK is wanted now.
+        let reopens_direct = q.peer.as_ref().is_some_and(|p| {
+            p.memory
+                .as_ref()
+                .is_some_and(|m| m.takes_placed_sends(p.qpn))
+        });
         if self.qp_type.reliable()
             && !(req.signaled || self.sq_sig_all)
             && matches!(op, Op::Send | Op::Write)
+            && !reopens_direct
         {
             // No completion here waits for its ACK (a later signaled WR's, or a READ's
             // answer, covers it).
@@ -610,6 +618,9 @@ impl QueuePair {
         length: u64,
         keys: &mut KeyCache,
     ) -> Option<Option<DataMessage>> {
+        if op == Op::Send {
+            return self.try_direct_send(q, req, length, keys);
+        }
         let kind = match (op, req.opcode) {
             (Op::Write, SendOpcode::RdmaWrite) => DirectAccess::Write,
             (Op::ReadRequest, _) => DirectAccess::Read,
@@ -649,12 +660,20 @@ impl QueuePair {
                 req.remote_addr,
             )
             .ok()?;
+        // Sorts with the last message sent: ACKs and NAKs never name it.
+        let seq = wire::psn_prev(q.next_send_seq);
+        self.completed_at_post(q, req, seq, length);
+        Some(None)
+    }
+
+    /// A WR the direct path carried out while it was posted: it completes now (in post order
+    /// with those before it), numbered `seq`.
+    fn completed_at_post(&self, q: &mut Queues, req: &SendRequest, seq: u32, length: u64) {
         q.sq.push_back(SendEntry {
             wr_id: req.wr_id,
             opcode: req.opcode.completion_opcode(),
             signaled: req.signaled || self.sq_sig_all,
-            // Sorts with the last message sent: ACKs and NAKs never name it.
-            seq: wire::psn_prev(q.next_send_seq),
+            seq,
             byte_len: length as u32,
             outcome: Some(WcStatus::Success),
             response_into: None,
@@ -663,6 +682,51 @@ impl QueuePair {
             in_ucx: 0,
         });
         self.release_send_completions(q);
+    }
+
+    /// The same-host SEND path (docs/design.md): an RC SEND (or SEND_WITH_IMM) of at most
+    /// [`direct::SEND_MAX`] bytes to a peer whose receive ring is mapped here is placed in its
+    /// next receive WR now, and completes now, under the same rule as a direct WRITE: nothing
+    /// posted earlier is still on its way as a message. None leaves it to the message path
+    /// (no receive WR posted, or one that takes messages only: the responder's RNR waiting
+    /// and its checks then apply).
+    fn try_direct_send(
+        &self,
+        q: &mut Queues,
+        req: &SendRequest,
+        length: u64,
+        keys: &mut KeyCache,
+    ) -> Option<Option<DataMessage>> {
+        let imm = match req.opcode {
+            SendOpcode::Send => None,
+            SendOpcode::SendWithImm => Some(req.imm_data),
+            _ => return None,
+        };
+        if self.qp_type != QpType::Rc || length > direct::SEND_MAX as u64 {
+            return None;
+        }
+        let peer = q.peer.as_ref()?;
+        let memory = peer.memory.as_ref().filter(|m| !m.is_this_process())?;
+        if q.sq.iter().any(|e| e.outcome.is_none()) {
+            return None;
+        }
+        let spans = match &req.inline_data {
+            Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
+            None => local_spans_cached(&self.pd, &req.sges, false, keys)?,
+        };
+        let psn = q.next_send_seq;
+        let send = direct::SendToRing {
+            spans: &spans,
+            imm_data: imm,
+            psn,
+            from: (self.local_lid, self.qp_num),
+            dst_qpn: peer.qpn,
+        };
+        memory.send(&mut q.peer_ring, &send).ok()?;
+        // Delivered: numbered, and acknowledged at once.
+        q.next_send_seq = wire::psn_add(psn, 1);
+        q.acked_psn = psn;
+        self.completed_at_post(q, req, psn, length);
         Some(None)
     }
 }

@@ -51,7 +51,17 @@ impl QueuePair {
         h: Header,
         payload: AmPayload<'_>,
     ) -> bool {
-        self.locked_then_send(locked, |q| self.on_request_locked(q, h, payload))
+        self.locked_then_send(locked, |q| {
+            // SENDs a same-host peer placed before this message complete first: they came
+            // first, and the sequence it is checked against follows them.
+            if self.complete_placed(q) {
+                self.flush(q);
+            }
+            let before = q.expected_seq;
+            let kept = self.on_request_locked(q, h, payload);
+            self.placed_follow(q, before);
+            kept
+        })
     }
 
     pub(super) fn on_request_locked(

@@ -80,7 +80,7 @@ impl QueuePair {
 
     /// Tells same-host peers (the direct path) whether, and by whom, this QP's memory may be
     /// reached now: an RC QP with a peer, in a state whose responder executes requests.
-    fn publish_for_direct(&self, q: &Queues) {
+    pub(super) fn publish_for_direct(self: &Arc<Self>, q: &mut Queues) {
         let Some(memory) = Engine::local_memory() else {
             return;
         };
@@ -88,12 +88,14 @@ impl QueuePair {
             (Some(peer), QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
                 if self.qp_type == QpType::Rc =>
             {
+                let peer = (peer.lid, peer.qpn);
+                let ring = self.receive_ring_to_publish(q).map(Arc::clone);
                 memory.publish_qp(
                     self.qp_num,
                     self.pd.id,
                     q.attrs.access_flags,
-                    peer.lid,
-                    peer.qpn,
+                    peer,
+                    ring.as_deref(),
                 );
             }
             _ => memory.withdraw_qp(self.qp_num),
@@ -107,6 +109,7 @@ impl QueuePair {
                 release_kept(q);
                 q.sq.clear();
                 q.rq.clear();
+                self.reset_receive_ring(q);
                 self.send_cq.discard_qp(self.qp_num);
                 self.recv_cq.discard_qp(self.qp_num);
                 q.peer = None;
@@ -139,6 +142,7 @@ impl QueuePair {
                 q.state = QpState::Rtr;
                 q.peer = peer;
                 q.expected_seq = q.attrs.rq_psn & wire::PSN_MASK;
+                self.number_placed_from(q.expected_seq);
                 q.last_delivered = wire::psn_prev(q.expected_seq);
             }
             QpState::Rts => {

@@ -63,6 +63,7 @@ impl QueuePair {
             handle: AtomicUsize::new(0),
             queues: Mutex::new(Queues::new()),
             ucx_io: AtomicU32::new(0),
+            receive_ring: std::sync::OnceLock::new(),
             on_transport_error: Mutex::new(None),
             xrc_target: Some(XrcTarget {
                 domain: Arc::clone(d),

@@ -1,0 +1,300 @@
+//! A queue pair's receive ring: the receive WRs its owner posted, one entry each, as its
+//! same-host peer sees them, and the small SENDs that peer places in them (the same-host
+//! SEND path, `engine/direct.rs`). A memfd of fixed layout: a header, two cursors, then
+//! `capacity` entries of [`ENTRY_DATA`] message bytes each. Every field but the message bytes
+//! is an atomic, so reading what the other side is changing is defined; what was read is
+//! checked before use (the other process is not trusted with this process's memory safety).
+
+use super::{Mapping, file_identity, memfd, open_peer_fd};
+use crate::ucp::AppSpan;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// "ugdrRNG1".
+const MAGIC: u64 = 0x3147_4e52_5244_4755;
+const NAME: &str = "ugdr-receive-ring";
+
+/// The largest message an entry holds: a SEND up to this size takes the ring.
+pub const ENTRY_DATA: usize = 256;
+/// The most entries a ring has (beyond any `max_recv_wr` ugdr grants).
+pub const MAX_ENTRIES: u32 = 1 << 16;
+
+#[repr(C, align(64))]
+struct Header {
+    magic: AtomicU64,
+    capacity: AtomicU32,
+}
+
+/// Written by the owner only.
+#[repr(C, align(64))]
+struct Posted {
+    /// Receive WRs posted since the ring was (re)set: entry `i % capacity` stands for the
+    /// `i`-th.
+    count: AtomicU64,
+}
+
+/// Advanced by whoever takes the next receive WR: the peer placing a SEND, or the owner
+/// delivering a message that arrived through UCX.
+#[repr(C, align(64))]
+struct Taken {
+    count: AtomicU64,
+    /// The PSN the owner's QP expects of the next SEND placed (the peer advances it with each
+    /// placed SEND; the owner sets it when it starts or when messages advanced its sequence).
+    expected_psn: AtomicU32,
+}
+
+/// One receive WR as the peer sees it, and the message placed in it.
+#[repr(C, align(64))]
+pub struct EntryHead {
+    /// `i + 1` once the owner posted the `i`-th receive WR here and it may take a placed
+    /// message (0 or another value: it may not; the message goes through UCX).
+    pub posted_as: AtomicU64,
+    /// `i + 1` once the peer placed the `i`-th message here (byte length, immediate data and
+    /// flags written before).
+    pub filled_as: AtomicU64,
+    /// The receive WR's room (its SGEs' lengths added up, at most [`ENTRY_DATA`] counted).
+    pub room: AtomicU32,
+    pub byte_len: AtomicU32,
+    pub imm_data: AtomicU32,
+    /// [`FILLED_WITH_IMM`].
+    pub flags: AtomicU32,
+    /// The placed SEND's PSN.
+    pub psn: AtomicU32,
+}
+
+/// The placed message carries immediate data.
+pub const FILLED_WITH_IMM: u32 = 1;
+
+const HEADER_SIZE: usize = 3 * 64;
+const ENTRY_SIZE: usize = std::mem::size_of::<EntryHead>() + ENTRY_DATA;
+
+fn size_for(capacity: u32) -> usize {
+    HEADER_SIZE + capacity as usize * ENTRY_SIZE
+}
+
+/// A receive ring mapped in this process: the owner's (made with [`ReceiveRing::create`]) or
+/// a peer's (mapped with [`ReceiveRing::open_peer`]).
+pub struct ReceiveRing {
+    mapping: Mapping,
+    capacity: u32,
+    /// The owner's descriptor (None for a peer's ring).
+    fd: Option<OwnedFd>,
+    ino: u64,
+}
+
+impl ReceiveRing {
+    /// A new ring of `capacity` entries (a power of two, at most [`MAX_ENTRIES`]).
+    pub fn create(capacity: u32) -> io::Result<ReceiveRing> {
+        if !capacity.is_power_of_two() || capacity > MAX_ENTRIES {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let name = std::ffi::CString::new(NAME).expect("no NUL");
+        let size = size_for(capacity);
+        let fd = memfd(&name, size as u64)?;
+        let (_, ino) = file_identity(&fd)?;
+        let mapping = Mapping::of_file(&fd, size)?;
+        let ring = ReceiveRing {
+            mapping,
+            capacity,
+            fd: Some(fd),
+            ino,
+        };
+        ring.header().capacity.store(capacity, Ordering::Relaxed);
+        ring.header().magic.store(MAGIC, Ordering::Release);
+        Ok(ring)
+    }
+
+    /// Maps the ring behind descriptor `fd` of process `pid`, if it is still inode `ino` and
+    /// has a ring's layout.
+    pub fn open_peer(pid: i32, fd: i32, ino: u64) -> io::Result<ReceiveRing> {
+        let file = open_peer_fd(pid, fd)?;
+        let (size, actual) = file_identity(&file)?;
+        if actual != ino || size < HEADER_SIZE as u64 || size > size_for(MAX_ENTRIES) as u64 {
+            return Err(io::Error::from_raw_os_error(libc::ESTALE));
+        }
+        let mapping = Mapping::of_file(&file, size as usize)?;
+        let mut ring = ReceiveRing {
+            mapping,
+            capacity: 0,
+            fd: None,
+            ino,
+        };
+        let capacity = ring.header().capacity.load(Ordering::Relaxed);
+        if ring.header().magic.load(Ordering::Acquire) != MAGIC
+            || !capacity.is_power_of_two()
+            || size_for(capacity) as u64 != size
+        {
+            return Err(io::Error::from_raw_os_error(libc::EPROTO));
+        }
+        ring.capacity = capacity;
+        Ok(ring)
+    }
+
+    /// The owner's descriptor, which peers open through `/proc/<pid>/fd/<n>` (-1 for a
+    /// peer's ring).
+    pub fn fd(&self) -> i32 {
+        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    pub fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping holds at least HEADER_SIZE bytes (checked at create/open), is
+        // page-aligned and starts with a Header of atomics (valid for any bits); the borrow
+        // lives no longer than `self`, which owns the mapping.
+        unsafe { &*self.mapping.base().cast::<Header>() }
+    }
+
+    fn posted_cell(&self) -> &AtomicU64 {
+        // SAFETY: as `header`; the second 64-byte line of the header area.
+        unsafe { &(*self.mapping.base().add(64).cast::<Posted>()).count }
+    }
+
+    fn taken_line(&self) -> &Taken {
+        // SAFETY: as `header`; the third 64-byte line.
+        unsafe { &*self.mapping.base().add(128).cast::<Taken>() }
+    }
+
+    fn taken_cell(&self) -> &AtomicU64 {
+        &self.taken_line().count
+    }
+
+    pub fn expected_psn(&self) -> u32 {
+        self.taken_line().expected_psn.load(Ordering::SeqCst)
+    }
+
+    pub fn set_expected_psn(&self, psn: u32) {
+        self.taken_line().expected_psn.store(psn, Ordering::SeqCst);
+    }
+
+    fn entry_base(&self, index: u64) -> *mut u8 {
+        let slot = (index % u64::from(self.capacity)) as usize;
+        // SAFETY: `slot < capacity`, and the mapping is `size_for(capacity)` bytes (checked at
+        // create/open): the entry lies inside it.
+        unsafe { self.mapping.base().add(HEADER_SIZE + slot * ENTRY_SIZE) }
+    }
+
+    /// The head of the entry that stands for the `index`-th receive WR.
+    pub fn entry(&self, index: u64) -> &EntryHead {
+        // SAFETY: inside the mapping (entry_base), 64-byte aligned (page-aligned base,
+        // 64-byte header lines, entries a multiple of 64 bytes), all atomics; borrowed for no
+        // longer than the mapping lives.
+        unsafe { &*self.entry_base(index).cast::<EntryHead>() }
+    }
+
+    pub fn posted(&self) -> u64 {
+        self.posted_cell().load(Ordering::Acquire)
+    }
+
+    pub fn set_posted(&self, count: u64) {
+        self.posted_cell().store(count, Ordering::Release);
+    }
+
+    pub fn taken(&self) -> u64 {
+        self.taken_cell().load(Ordering::SeqCst)
+    }
+
+    /// Takes the `index`-th receive WR if nobody took it yet.
+    pub fn take(&self, index: u64) -> bool {
+        self.taken_cell()
+            .compare_exchange(index, index + 1, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Starts the ring over (no WR posted or taken): only while no peer may use it.
+    pub fn reset(&self) {
+        self.taken_cell().store(0, Ordering::SeqCst);
+        self.posted_cell().store(0, Ordering::SeqCst);
+    }
+
+    /// Copies the bytes of `spans`, in order, into the `index`-th entry (at most
+    /// [`ENTRY_DATA`] in all: the caller checked).
+    pub fn write_data(&self, index: u64, spans: &[AppSpan]) -> io::Result<()> {
+        let total: usize = spans.iter().map(AppSpan::len).sum();
+        if total > ENTRY_DATA {
+            return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
+        }
+        // SAFETY: the entry's data area follows its head inside the mapping (entry_base).
+        let mut at = unsafe { self.entry_base(index).add(std::mem::size_of::<EntryHead>()) };
+        for s in spans {
+            // SAFETY: `s` is a checked span of registered (or ugdr-owned) memory, valid for
+            // reads (AppSpan's contract); the destination lies inside the entry's data area
+            // (`total <= ENTRY_DATA`), another mapping than any Rust object.
+            unsafe {
+                std::ptr::copy_nonoverlapping(s.addr() as *const u8, at, s.len());
+                at = at.add(s.len());
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the first `out.len()` (at most [`ENTRY_DATA`]) message bytes of the `index`-th
+    /// entry into `out`.
+    pub fn read_data(&self, index: u64, out: &mut [u8]) {
+        let n = out.len().min(ENTRY_DATA);
+        // SAFETY: the source lies inside the entry's data area (n <= ENTRY_DATA); `out` is a
+        // Rust slice of this process, never inside the shared mapping. The peer may be
+        // writing these bytes (a misbehaving one): plain bytes, any value is valid.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.entry_base(index).add(std::mem::size_of::<EntryHead>()),
+                out.as_mut_ptr(),
+                n,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_are_whole_cache_lines_and_the_header_three() {
+        assert_eq!(std::mem::size_of::<EntryHead>(), 64);
+        assert_eq!(ENTRY_SIZE % 64, 0);
+        assert_eq!(std::mem::size_of::<Header>(), 64);
+        assert_eq!(std::mem::size_of::<Posted>(), 64);
+        assert_eq!(std::mem::size_of::<Taken>(), 64);
+    }
+
+    #[test]
+    fn a_peer_sees_posted_entries_and_the_owner_the_placed_bytes() {
+        let own = ReceiveRing::create(4).unwrap();
+        assert!(ReceiveRing::create(3).is_err());
+        let peer = ReceiveRing::open_peer(std::process::id() as i32, own.fd(), own.ino()).unwrap();
+        assert_eq!(peer.capacity(), 4);
+        own.entry(5).room.store(64, Ordering::Relaxed);
+        own.entry(5).posted_as.store(6, Ordering::Release);
+        own.set_posted(6);
+        assert_eq!(peer.posted(), 6);
+        assert_eq!(peer.entry(5).posted_as.load(Ordering::Acquire), 6);
+        // Entry 5 is entry 1 of four.
+        assert_eq!(peer.entry(1).room.load(Ordering::Relaxed), 64);
+        let bytes = *b"hello ring";
+        peer.write_data(5, &[AppSpan::of_owned(&bytes)]).unwrap();
+        let mut out = [0u8; 10];
+        own.read_data(5, &mut out);
+        assert_eq!(&out, b"hello ring");
+        assert!(peer.take(0));
+        assert!(!peer.take(0));
+        assert_eq!(own.taken(), 1);
+        let big = [0u8; ENTRY_DATA + 1];
+        assert!(peer.write_data(0, &[AppSpan::of_owned(&big)]).is_err());
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_ring_is_refused() {
+        let own = ReceiveRing::create(2).unwrap();
+        assert!(
+            ReceiveRing::open_peer(std::process::id() as i32, own.fd(), own.ino() + 1).is_err()
+        );
+    }
+}

@@ -1,0 +1,499 @@
+/* The same-host SEND path (docs/design.md, "Same-host SEND path"): between two processes on one
+ * host, an RC SEND of at most 256 bytes is placed by the sender straight into the receiver's
+ * next receive WR, and the receiver completes it when it polls. Whatever path a SEND takes, the
+ * receiver must see what a HCA gives: data, order and every completion field, and the errors of
+ * the message path. This program checks them the same way with the path on or off
+ * (UGDR_DIRECT=off); tests/direct.rs runs it both ways and reads which path was taken from
+ * ugdr's debug log.
+ *
+ * Forks: the child receives, the parent sends; each scenario has its own QP pair, and the two
+ * exchange LID and QP number, then step markers, through pipes.
+ *   shapes   SEND of 8 bytes, SEND_WITH_IMM of 100 inline bytes scattered over a receive WR of
+ *            two SGEs (10 + 300 bytes), a 0-byte SEND, 256 bytes (the most placed), 257 bytes
+ *            (a message), then 16 bytes again: every field of every completion, every byte.
+ *   stream   20,000 SENDs in windows of 64 (every 16th signaled): 64 bytes, in the second half
+ *            every 7th 1000 bytes (a message), every 5th with immediate data; the receiver
+ *            keeps 128 receive WRs posted and checks each message's number, length, bytes and
+ *            immediate data.
+ *   short    a receive WR of 8 bytes for a SEND of 16: LOC_LEN_ERR at the receiver,
+ *            REM_INV_REQ_ERR at the sender.
+ *   dereg    the receive WR's MR is deregistered before the SEND: LOC_PROT_ERR at the
+ *            receiver, REM_OP_ERR at the sender.
+ *   arrived  the MR is deregistered after the SEND completed at the sender but before the
+ *            receiver polled: the receive completes with the data, as a HCA's would have.
+ *   flush    three SENDs complete at the sender; the receiver moves its QP to ERR before
+ *            polling: the three receives complete with their data, then the two other posted
+ *            receives are flushed, in order.
+ * Prints "direct_send: ok". Usage: direct_send */
+#include "verbs_test.h"
+#include <arpa/inet.h>
+#include <inttypes.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define STREAM 20000
+#define WINDOW 64
+#define POSTED 128
+#define SLOT 1024
+
+static int to_child[2], to_parent[2];
+static int is_child;
+
+static void put(const void *p, size_t n)
+{
+    int fd = is_child ? to_parent[1] : to_child[1];
+    CHECK(write(fd, p, n) == (ssize_t)n, "pipe write");
+}
+
+static void get(void *p, size_t n)
+{
+    int fd = is_child ? to_child[0] : to_parent[0];
+    CHECK(read(fd, p, n) == (ssize_t)n, "pipe read");
+}
+
+static void step(char c)
+{
+    put(&c, 1);
+}
+
+static void await_step(char want)
+{
+    char c;
+    get(&c, 1);
+    CHECK(c == want, "step %c, wanted %c", c, want);
+}
+
+struct side {
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+    struct ibv_cq *scq, *rcq;
+    struct ibv_qp *qp;
+    struct ibv_mr *mr;
+    char *buf;
+    uint16_t lid, peer_lid;
+    uint32_t peer_qpn;
+};
+
+/* A QP pair's side: its own context, PD, CQs and a 4 MiB buffer, connected to the other
+ * process's side. */
+static void open_side(struct side *s)
+{
+    int n;
+    struct ibv_device **list = ibv_get_device_list(&n);
+    CHECK(list && n > 0, "no device");
+    s->ctx = ibv_open_device(list[0]);
+    CHECK(s->ctx, "open");
+    ibv_free_device_list(list);
+    s->pd = ibv_alloc_pd(s->ctx);
+    s->buf = calloc(1, 4 << 20);
+    CHECK(s->pd && s->buf, "pd");
+    s->mr = ibv_reg_mr(s->pd, s->buf, 4 << 20, IBV_ACCESS_LOCAL_WRITE);
+    CHECK(s->mr, "reg_mr");
+    s->scq = ibv_create_cq(s->ctx, 4 * POSTED, NULL, NULL, 0);
+    s->rcq = ibv_create_cq(s->ctx, 4 * POSTED, NULL, NULL, 0);
+    CHECK(s->scq && s->rcq, "cq");
+    struct ibv_qp_init_attr ia = {
+        .send_cq = s->scq, .recv_cq = s->rcq, .qp_type = IBV_QPT_RC,
+        .cap = { .max_send_wr = 2 * WINDOW, .max_recv_wr = POSTED, .max_send_sge = 2,
+                 .max_recv_sge = 2, .max_inline_data = 128 },
+    };
+    s->qp = ibv_create_qp(s->pd, &ia);
+    CHECK(s->qp, "create_qp");
+    struct ibv_port_attr pa;
+    CHECK(ibv_query_port(s->ctx, 1, &pa) == 0, "query_port");
+    s->lid = pa.lid;
+    uint32_t me[2] = { s->lid, s->qp->qp_num }, peer[2];
+    put(me, sizeof me);
+    get(peer, sizeof peer);
+    s->peer_lid = peer[0];
+    s->peer_qpn = peer[1];
+    to_rts(s->qp, s->peer_lid, s->peer_qpn, 0);
+}
+
+static void close_side(struct side *s)
+{
+    CHECK(ibv_destroy_qp(s->qp) == 0, "destroy_qp");
+    CHECK(ibv_destroy_cq(s->scq) == 0 && ibv_destroy_cq(s->rcq) == 0, "destroy_cq");
+    if (s->mr)
+        CHECK(ibv_dereg_mr(s->mr) == 0, "dereg_mr");
+    CHECK(ibv_dealloc_pd(s->pd) == 0, "dealloc_pd");
+    CHECK(ibv_close_device(s->ctx) == 0, "close_device");
+    free(s->buf);
+}
+
+static void post_recv(struct side *s, uint64_t wr_id, struct ibv_sge *sges, int n)
+{
+    struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = sges, .num_sge = n }, *bad;
+    CHECK(ibv_post_recv(s->qp, &wr, &bad) == 0, "post_recv %" PRIu64, wr_id);
+}
+
+static void post_recv_slot(struct side *s, uint64_t wr_id, uint32_t slot, uint32_t len)
+{
+    struct ibv_sge sge = { .addr = (uintptr_t)s->buf + (size_t)slot * SLOT, .length = len,
+                           .lkey = s->mr->lkey };
+    post_recv(s, wr_id, &sge, 1);
+}
+
+/* A SEND of `len` bytes from `at` in the buffer (or inline), signaled or not, with immediate
+ * data when `imm` is non-zero. */
+static void post_send(struct side *s, uint64_t wr_id, size_t at, uint32_t len, uint32_t imm,
+                      int flags)
+{
+    struct ibv_sge sge = { .addr = (uintptr_t)s->buf + at, .length = len, .lkey = s->mr->lkey };
+    struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = len ? 1 : 0,
+                              .opcode = imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND,
+                              .send_flags = flags, .imm_data = htonl(imm) }, *bad;
+    CHECK(ibv_post_send(s->qp, &wr, &bad) == 0, "post_send %" PRIu64, wr_id);
+}
+
+static void expect_send(struct side *s, uint64_t wr_id, enum ibv_wc_status status)
+{
+    struct ibv_wc wc;
+    CHECK(poll_one(s->scq, &wc) == 1, "no send completion for %" PRIu64, wr_id);
+    CHECK(wc.status == status && wc.wr_id == wr_id && wc.qp_num == s->qp->qp_num &&
+              (status != IBV_WC_SUCCESS || (wc.opcode == IBV_WC_SEND && wc.wc_flags == 0)),
+          "send completion: status %s wr_id %" PRIu64 " opcode %d flags %u (wanted %s %" PRIu64 ")",
+          ibv_wc_status_str(wc.status), wc.wr_id, wc.opcode, wc.wc_flags,
+          ibv_wc_status_str(status), wr_id);
+}
+
+/* The next receive completion: every field of a successful one. */
+static void expect_recv(struct side *s, uint64_t wr_id, uint32_t len, uint32_t imm)
+{
+    struct ibv_wc wc;
+    CHECK(poll_one(s->rcq, &wc) == 1, "no receive completion for %" PRIu64, wr_id);
+    CHECK(wc.status == IBV_WC_SUCCESS, "receive %" PRIu64 ": %s", wr_id,
+          ibv_wc_status_str(wc.status));
+    CHECK(wc.wr_id == wr_id && wc.opcode == IBV_WC_RECV && wc.byte_len == len &&
+              wc.qp_num == s->qp->qp_num && wc.src_qp == s->peer_qpn && wc.slid == s->peer_lid &&
+              wc.sl == 0 && wc.dlid_path_bits == 0 && wc.pkey_index == 0 &&
+              wc.wc_flags == (imm ? IBV_WC_WITH_IMM : 0) && (!imm || wc.imm_data == htonl(imm)),
+          "receive completion: wr_id %" PRIu64 " (want %" PRIu64 ") opcode %d len %u (want %u) "
+          "qp %u src_qp %u (want %u) slid %u (want %u) flags %u imm %#x",
+          wc.wr_id, wr_id, wc.opcode, wc.byte_len, len, wc.qp_num, wc.src_qp, s->peer_qpn,
+          wc.slid, s->peer_lid, wc.wc_flags, ntohl(wc.imm_data));
+}
+
+static void expect_recv_status(struct side *s, uint64_t wr_id, enum ibv_wc_status status)
+{
+    struct ibv_wc wc;
+    CHECK(poll_one(s->rcq, &wc) == 1, "no receive completion for %" PRIu64, wr_id);
+    CHECK(wc.wr_id == wr_id && wc.status == status && wc.qp_num == s->qp->qp_num,
+          "receive completion: wr_id %" PRIu64 " status %s (wanted %" PRIu64 " %s)", wc.wr_id,
+          ibv_wc_status_str(wc.status), wr_id, ibv_wc_status_str(status));
+}
+
+static void expect_cq_empty(struct ibv_cq *cq, const char *what)
+{
+    struct ibv_wc wc;
+    CHECK(ibv_poll_cq(cq, 1, &wc) == 0, "%s: one completion too many (wr_id %" PRIu64 " %s)",
+          what, wc.wr_id, ibv_wc_status_str(wc.status));
+}
+
+static void fill(char *p, uint32_t len, uint32_t seed)
+{
+    for (uint32_t k = 0; k < len; k++)
+        p[k] = (char)(seed * 31 + k * 7 + 1);
+}
+
+static void check_bytes(const char *p, uint32_t len, uint32_t seed, const char *what)
+{
+    for (uint32_t k = 0; k < len; k++)
+        CHECK(p[k] == (char)(seed * 31 + k * 7 + 1), "%s: byte %u differs", what, k);
+}
+
+/* ------------------------------------------------------------------------------ shapes */
+
+static const uint32_t SHAPE_LEN[] = { 8, 100, 0, 256, 257, 16 };
+#define SHAPES 6
+
+static void shapes_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    memset(s.buf, 0xee, 4 << 20);
+    for (uint32_t i = 0; i < SHAPES; i++) {
+        if (i == 1) {
+            struct ibv_sge two[2] = {
+                { .addr = (uintptr_t)s.buf + SLOT, .length = 10, .lkey = s.mr->lkey },
+                { .addr = (uintptr_t)s.buf + 2 * SLOT, .length = 300, .lkey = s.mr->lkey },
+            };
+            post_recv(&s, 100 + i, two, 2);
+        } else if (i == 2) {
+            post_recv(&s, 100 + i, NULL, 0);
+        } else {
+            post_recv_slot(&s, 100 + i, 4 + i, SLOT);
+        }
+    }
+    step('r');
+    for (uint32_t i = 0; i < SHAPES; i++)
+        expect_recv(&s, 100 + i, SHAPE_LEN[i], i == 1 ? 0x12345678 : 0);
+    expect_cq_empty(s.rcq, "shapes");
+    check_bytes(s.buf + 4 * SLOT, 8, 0, "shape 0");
+    CHECK((unsigned char)s.buf[4 * SLOT + 8] == 0xee, "shape 0 wrote past its length");
+    char joined[100];
+    memcpy(joined, s.buf + SLOT, 10);
+    memcpy(joined + 10, s.buf + 2 * SLOT, 90);
+    check_bytes(joined, 100, 1, "shape 1 (two SGEs)");
+    CHECK((unsigned char)s.buf[SLOT + 10] == 0xee && (unsigned char)s.buf[2 * SLOT + 90] == 0xee,
+          "shape 1 wrote past its SGEs");
+    for (uint32_t i = 3; i < SHAPES; i++)
+        check_bytes(s.buf + (size_t)(4 + i) * SLOT, SHAPE_LEN[i], i, "shape");
+    step('d');
+    close_side(&s);
+}
+
+static void shapes_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    for (uint32_t i = 0; i < SHAPES; i++) {
+        fill(s.buf + (size_t)i * SLOT, SHAPE_LEN[i], i);
+        if (i == 1) {
+            /* Inline, from a stack buffer the WR does not name afterwards. */
+            char bytes[100];
+            fill(bytes, 100, 1);
+            struct ibv_sge sge = { .addr = (uintptr_t)bytes, .length = 100 };
+            struct ibv_send_wr wr = { .wr_id = i, .sg_list = &sge, .num_sge = 1,
+                                      .opcode = IBV_WR_SEND_WITH_IMM,
+                                      .send_flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE,
+                                      .imm_data = htonl(0x12345678) }, *bad;
+            CHECK(ibv_post_send(s.qp, &wr, &bad) == 0, "inline send");
+            memset(bytes, 0, sizeof bytes);
+        } else {
+            post_send(&s, i, (size_t)i * SLOT, SHAPE_LEN[i], 0, IBV_SEND_SIGNALED);
+        }
+        expect_send(&s, i, IBV_WC_SUCCESS);
+    }
+    expect_cq_empty(s.scq, "shapes sender");
+    await_step('d');
+    close_side(&s);
+}
+
+/* ------------------------------------------------------------------------------ stream */
+
+static uint32_t stream_len(uint32_t i) { return i >= STREAM / 2 && i % 7 == 6 ? 1000 : 64; }
+static uint32_t stream_imm(uint32_t i) { return i % 5 == 0 ? 0x5000000 + i : 0; }
+
+static void stream_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    for (uint32_t i = 0; i < POSTED; i++)
+        post_recv_slot(&s, i, i, SLOT);
+    step('r');
+    struct ibv_wc wc[32];
+    for (uint32_t got = 0; got < STREAM;) {
+        int n = ibv_poll_cq(s.rcq, 32, wc);
+        CHECK(n >= 0, "poll");
+        for (int k = 0; k < n; k++, got++) {
+            uint32_t slot = got % POSTED;
+            CHECK(wc[k].status == IBV_WC_SUCCESS && wc[k].wr_id == got &&
+                      wc[k].opcode == IBV_WC_RECV && wc[k].byte_len == stream_len(got) &&
+                      wc[k].qp_num == s.qp->qp_num && wc[k].src_qp == s.peer_qpn &&
+                      wc[k].slid == s.peer_lid &&
+                      wc[k].wc_flags == (stream_imm(got) ? IBV_WC_WITH_IMM : 0) &&
+                      (!stream_imm(got) || ntohl(wc[k].imm_data) == stream_imm(got)),
+                  "stream message %u: status %s wr_id %" PRIu64 " len %u flags %u imm %#x", got,
+                  ibv_wc_status_str(wc[k].status), wc[k].wr_id, wc[k].byte_len,
+                  wc[k].wc_flags, ntohl(wc[k].imm_data));
+            uint32_t number;
+            memcpy(&number, s.buf + (size_t)slot * SLOT, 4);
+            CHECK(number == got, "stream: slot of message %u holds %u", got, number);
+            check_bytes(s.buf + (size_t)slot * SLOT + 4, stream_len(got) - 4, got, "stream");
+            if (got + POSTED < STREAM)
+                post_recv_slot(&s, got + POSTED, slot, SLOT);
+        }
+    }
+    expect_cq_empty(s.rcq, "stream");
+    step('d');
+    close_side(&s);
+}
+
+static void stream_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    uint32_t posted = 0, completed = 0;
+    while (completed < STREAM) {
+        while (posted < STREAM && posted - completed < WINDOW) {
+            size_t at = (size_t)(posted % (2 * WINDOW)) * SLOT;
+            memcpy(s.buf + at, &posted, 4);
+            fill(s.buf + at + 4, stream_len(posted) - 4, posted);
+            int last = posted == STREAM - 1 || posted % 16 == 15;
+            post_send(&s, posted, at, stream_len(posted), stream_imm(posted),
+                      last ? IBV_SEND_SIGNALED : 0);
+            posted++;
+        }
+        struct ibv_wc wc;
+        int n = ibv_poll_cq(s.scq, 1, &wc);
+        CHECK(n >= 0, "poll");
+        if (n == 1) {
+            CHECK(wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_SEND &&
+                      (wc.wr_id % 16 == 15 || wc.wr_id == STREAM - 1),
+                  "stream send %" PRIu64 ": %s", wc.wr_id, ibv_wc_status_str(wc.status));
+            CHECK(wc.wr_id + 1 > completed, "send completions out of order");
+            completed = (uint32_t)wc.wr_id + 1;
+        }
+    }
+    expect_cq_empty(s.scq, "stream sender");
+    await_step('d');
+    close_side(&s);
+}
+
+/* ------------------------------------------------------------------------------ errors */
+
+static void short_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    post_recv_slot(&s, 7, 0, 8);
+    step('r');
+    expect_recv_status(&s, 7, IBV_WC_LOC_LEN_ERR);
+    step('d');
+    close_side(&s);
+}
+
+static void short_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    post_send(&s, 1, 0, 16, 0, IBV_SEND_SIGNALED);
+    expect_send(&s, 1, IBV_WC_REM_INV_REQ_ERR);
+    await_step('d');
+    close_side(&s);
+}
+
+/* A receive WR `wr_id` of 64 bytes in a second MR (of 8 KiB at *mem), which it returns. */
+static struct ibv_mr *post_recv_in_second_mr(struct side *s, uint64_t wr_id, char **mem)
+{
+    *mem = calloc(1, 8192);
+    struct ibv_mr *mr = ibv_reg_mr(s->pd, *mem, 8192, IBV_ACCESS_LOCAL_WRITE);
+    CHECK(*mem && mr, "reg_mr");
+    struct ibv_sge sge = { .addr = (uintptr_t)*mem, .length = 64, .lkey = mr->lkey };
+    post_recv(s, wr_id, &sge, 1);
+    return mr;
+}
+
+/* The receive WR names a second MR, deregistered before the SEND comes. */
+static void dereg_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    char *other;
+    struct ibv_mr *mr = post_recv_in_second_mr(&s, 9, &other);
+    CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
+    step('r');
+    expect_recv_status(&s, 9, IBV_WC_LOC_PROT_ERR);
+    for (int k = 0; k < 64; k++)
+        CHECK(other[k] == 0, "a SEND landed in deregistered memory");
+    step('d');
+    close_side(&s);
+    free(other);
+}
+
+/* Once the receiver is ready, one signaled 64-byte SEND of bytes `seed`, which must complete
+ * with `status`; then step `then` (0: none) and wait for the receiver's end. */
+static void send_one(uint64_t wr_id, uint32_t seed, enum ibv_wc_status status, char then)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    fill(s.buf, 64, seed);
+    post_send(&s, wr_id, 0, 64, 0, IBV_SEND_SIGNALED);
+    expect_send(&s, wr_id, status);
+    if (then)
+        step(then);
+    await_step('d');
+    close_side(&s);
+}
+
+static void dereg_sender(void)
+{
+    send_one(2, 3, IBV_WC_REM_OP_ERR, 0);
+}
+
+static void arrived_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    char *other;
+    struct ibv_mr *mr = post_recv_in_second_mr(&s, 11, &other);
+    step('r');
+    await_step('s'); /* the SEND completed at the sender: it arrived */
+    CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
+    expect_recv(&s, 11, 64, 0);
+    check_bytes(other, 64, 4, "arrived");
+    step('d');
+    close_side(&s);
+    free(other);
+}
+
+static void arrived_sender(void)
+{
+    send_one(3, 4, IBV_WC_SUCCESS, 's');
+}
+
+static void flush_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    for (uint32_t i = 0; i < 5; i++)
+        post_recv_slot(&s, 20 + i, i, SLOT);
+    step('r');
+    await_step('s');
+    struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+    CHECK(ibv_modify_qp(s.qp, &a, IBV_QP_STATE) == 0, "to ERR");
+    for (uint32_t i = 0; i < 3; i++) {
+        expect_recv(&s, 20 + i, 32, 0);
+        check_bytes(s.buf + (size_t)i * SLOT, 32, 10 + i, "flush");
+    }
+    expect_recv_status(&s, 23, IBV_WC_WR_FLUSH_ERR);
+    expect_recv_status(&s, 24, IBV_WC_WR_FLUSH_ERR);
+    expect_cq_empty(s.rcq, "flush");
+    step('d');
+    close_side(&s);
+}
+
+static void flush_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    for (uint32_t i = 0; i < 3; i++) {
+        fill(s.buf + (size_t)i * SLOT, 32, 10 + i);
+        post_send(&s, 30 + i, (size_t)i * SLOT, 32, 0, IBV_SEND_SIGNALED);
+        expect_send(&s, 30 + i, IBV_WC_SUCCESS);
+    }
+    step('s');
+    await_step('d');
+    close_side(&s);
+}
+
+int main(void)
+{
+    void (*scenario[][2])(void) = {
+        { shapes_receiver, shapes_sender },   { stream_receiver, stream_sender },
+        { short_receiver, short_sender },     { dereg_receiver, dereg_sender },
+        { arrived_receiver, arrived_sender }, { flush_receiver, flush_sender },
+    };
+    CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");
+    pid_t child = fork();
+    CHECK(child >= 0, "fork");
+    is_child = child == 0;
+    /* Each side keeps only its own ends: when the other side dies, a read ends at once. */
+    close(is_child ? to_child[1] : to_child[0]);
+    close(is_child ? to_parent[0] : to_parent[1]);
+    for (size_t i = 0; i < sizeof scenario / sizeof scenario[0]; i++)
+        scenario[i][is_child ? 0 : 1]();
+    if (is_child)
+        exit(0);
+    int status;
+    CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "receiver failed (status %d)", status);
+    printf("direct_send: ok\n");
+    return 0;
+}
