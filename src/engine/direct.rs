@@ -463,6 +463,9 @@ pub const MAX_RECEIVE_RINGS: usize = 256;
 /// itself (through the same cursor) for each message that arrives through UCX.
 pub struct OwnReceiveRing {
     ring: ReceiveRing,
+    /// The receive WRs posted so far (the ring's own count is for the peer, which may write
+    /// it too: the owner never reads it back).
+    posted: AtomicU64,
     /// The receive WRs completed so far (or taken by messages): the next one to complete.
     /// Changed under the QP's lock; read without it to tell whether a poll has work.
     collected: AtomicU64,
@@ -491,13 +494,14 @@ impl OwnReceiveRing {
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
         Ok(OwnReceiveRing {
             ring: ReceiveRing::create(capacity)?,
+            posted: AtomicU64::new(0),
             collected: AtomicU64::new(0),
         })
     }
 
     /// Receive WRs posted so far.
     pub fn posted(&self) -> u64 {
-        self.ring.posted()
+        self.posted.load(Ordering::Relaxed)
     }
 
     /// Posts the next receive WR (`posted()`-th): `room` bytes of buffers; `direct`: a
@@ -505,7 +509,8 @@ impl OwnReceiveRing {
     /// least as many entries as the queue WRs: the caller never posts more than that beyond
     /// `collected()`.
     pub fn post(&self, room: u64, direct: bool) {
-        let index = self.ring.posted();
+        let index = self.posted.load(Ordering::Relaxed);
+        self.posted.store(index + 1, Ordering::Relaxed);
         let entry = self.ring.entry(index);
         entry.filled_as.store(0, Ordering::Relaxed);
         entry
@@ -530,7 +535,8 @@ impl OwnReceiveRing {
     /// Whether the next receive WR to complete holds a placed message (no lock needed).
     pub fn arrived(&self) -> bool {
         let i = self.collected.load(Ordering::Relaxed);
-        i < self.ring.posted() && self.ring.entry(i).filled_as.load(Ordering::Acquire) == i + 1
+        i < self.posted.load(Ordering::Relaxed)
+            && self.ring.entry(i).filled_as.load(Ordering::Acquire) == i + 1
     }
 
     /// The message placed in the next receive WR to complete, if any; read into `out` (at
@@ -538,7 +544,7 @@ impl OwnReceiveRing {
     /// protocol) reads as none.
     pub fn take_placed(&self, out: &mut [u8]) -> Option<Placed> {
         let i = self.collected.load(Ordering::Relaxed);
-        if i >= self.ring.posted() {
+        if i >= self.posted.load(Ordering::Relaxed) {
             return None;
         }
         let entry = self.ring.entry(i);
@@ -566,7 +572,7 @@ impl OwnReceiveRing {
     /// took it (its SEND is being placed, or was: complete it first).
     pub fn take_for_message(&self) -> bool {
         let i = self.collected.load(Ordering::Relaxed);
-        if i >= self.ring.posted() {
+        if i >= self.posted.load(Ordering::Relaxed) {
             return false;
         }
         if self.ring.take(i) {
@@ -579,7 +585,7 @@ impl OwnReceiveRing {
 
     /// The `index`-th receive WR (posted, not yet taken) takes no placed SEND any more.
     pub fn refuse(&self, index: u64) {
-        if index < self.ring.posted() {
+        if index < self.posted.load(Ordering::Relaxed) {
             self.ring.entry(index).posted_as.store(0, Ordering::SeqCst);
         }
     }
@@ -587,7 +593,7 @@ impl OwnReceiveRing {
     /// Skips the next receive WR (flushed): it takes nothing more.
     pub fn skip(&self) {
         let i = self.collected.load(Ordering::Relaxed);
-        if i < self.ring.posted() {
+        if i < self.posted.load(Ordering::Relaxed) {
             let _ = self.ring.take(i);
             self.collected.store(i + 1, Ordering::Relaxed);
         }
@@ -597,6 +603,7 @@ impl OwnReceiveRing {
     /// that no peer uses it.
     pub fn reset(&self) {
         self.ring.reset();
+        self.posted.store(0, Ordering::Relaxed);
         self.collected.store(0, Ordering::Relaxed);
     }
 }

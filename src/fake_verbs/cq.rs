@@ -323,17 +323,24 @@ impl CompletionQueue {
     /// Has the QPs whose rings hold placed SENDs complete them (without this CQ's locks: a
     /// QP's lock comes before its CQs').
     fn complete_placed(&self) {
-        let arrived: SmallVec<[Arc<dyn PlacedArrivals>; 2]> = {
+        let mut arrived: SmallVec<[Arc<dyn PlacedArrivals>; 2]> = SmallVec::new();
+        {
             let sources = self
                 .placed_sources
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            sources
-                .iter()
-                .filter(|(ring, _)| ring.arrived())
-                .filter_map(|(_, qp)| qp.upgrade())
-                .collect()
-        };
+            // An empty poll spins through here: look before building anything.
+            if !sources.iter().any(|(ring, _)| ring.arrived()) {
+                return;
+            }
+            for (ring, qp) in sources.iter() {
+                if ring.arrived()
+                    && let Some(qp) = qp.upgrade()
+                {
+                    arrived.push(qp);
+                }
+            }
+        }
         for qp in arrived {
             qp.complete_placed_now();
         }

@@ -128,7 +128,12 @@ impl QueuePair {
                 h.imm_data = imm;
             }
             let len = placed.byte_len as usize;
-            match local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys) {
+            let room: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
+            let spans = local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
+                // The peer checked the room it read in the ring; a peer that wrote more
+                // than the WR holds broke the protocol: nothing lands.
+                .filter(|_| len as u64 <= room);
+            match spans {
                 Some(spans) => {
                     crate::ucp::scatter(&spans, &bytes[..len]);
                     let wc = self.recv_completion(&wr, &h, len);
