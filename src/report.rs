@@ -43,22 +43,26 @@ pub fn describe(engine: &Engine) -> String {
         engine.secret_origin()
     );
     let direct = if !crate::engine::direct::enabled() {
-        "off (UGDR_DIRECT=off): RDMA WRITE/READ/atomics on this host go through messages"
+        "off (UGDR_DIRECT=off): RDMA WRITE/READ/atomics and SENDs on this host go through \
+         messages"
             .to_string()
     } else {
         match (&engine.memory, crate::engine::direct::self_check()) {
             (Some(_), Ok(())) => format!(
                 "on: RDMA WRITE/READ and atomics to same-host peers of this user are \
-                 done by the requester (peers must be dumpable or the requester must have \
+                 done by the requester, and RC SENDs of up to {} bytes placed in the peer's \
+                 posted receive WR (peers must be dumpable or the requester must have \
                  CAP_SYS_PTRACE; otherwise messages); {}",
+                crate::engine::direct::SEND_MAX,
                 crate::engine::direct::part_pages_note()
             ),
             (None, _) => {
-                "unavailable (no memfd): RDMA WRITE/READ/atomics go through messages".into()
+                "unavailable (no memfd): RDMA WRITE/READ/atomics and SENDs go through messages"
+                    .into()
             }
-            (Some(_), Err(e)) => {
-                format!("not permitted ({e}): RDMA WRITE/READ/atomics go through messages")
-            }
+            (Some(_), Err(e)) => format!(
+                "not permitted ({e}): RDMA WRITE/READ/atomics and SENDs go through messages"
+            ),
         }
     };
     let _ = writeln!(out, "direct path:   {direct}");

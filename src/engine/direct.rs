@@ -625,6 +625,9 @@ pub struct PeerMemory {
     failed_once: AtomicBool,
     /// The kernel refused cross-memory attach to this peer.
     attach_denied: AtomicBool,
+    /// A receive ring of this peer could not be mapped: SENDs to it go as messages without
+    /// trying again (each try is three system calls).
+    rings_unreachable: AtomicBool,
 }
 
 impl PeerMemory {
@@ -646,6 +649,7 @@ impl PeerMemory {
             backings: Mutex::new(HashMap::default()),
             failed_once: AtomicBool::new(false),
             attach_denied: AtomicBool::new(false),
+            rings_unreachable: AtomicBool::new(false),
         })
     }
 
@@ -861,9 +865,13 @@ impl PeerMemory {
         }
         let ring = match cache {
             Some(r) if r.ino() == ino => Arc::clone(r),
+            _ if self.rings_unreachable.load(Ordering::Relaxed) => {
+                return Err(Refused::Unreachable);
+            }
             _ => {
                 let r = ReceiveRing::open_peer(self.pid, fd, ino).map_err(|e| {
                     tracing::debug!("cannot map a receive ring of pid {}: {e}", self.pid);
+                    self.rings_unreachable.store(true, Ordering::Relaxed);
                     Refused::Unreachable
                 })?;
                 let r = Arc::new(r);
