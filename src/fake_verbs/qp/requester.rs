@@ -706,7 +706,11 @@ impl QueuePair {
             return None;
         }
         let peer = q.peer.as_ref()?;
-        let memory = peer.memory.as_ref().filter(|m| !m.is_this_process())?;
+        // A peer QP without a ring (an SRQ's, one whose CQ has a channel) never takes one.
+        let memory = peer
+            .memory
+            .as_ref()
+            .filter(|m| m.takes_placed_sends(peer.qpn))?;
         if q.sq.iter().any(|e| e.outcome.is_none()) {
             return None;
         }
