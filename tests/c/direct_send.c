@@ -3,7 +3,7 @@
  * next receive WR, and the receiver completes it when it polls. Whatever path a SEND takes, the
  * receiver must see what a HCA gives: data, order and every completion field, and the errors of
  * the message path. This program checks them the same way with the path on or off
- * (UGDR_DIRECT=off); tests/direct.rs runs it both ways and reads which path was taken from
+ * (UGDR_DIRECT=off); tests/c_program.rs runs it both ways and reads which path was taken from
  * ugdr's debug log.
  *
  * Forks: the child receives, the parent sends; each scenario has its own QP pair, and the two

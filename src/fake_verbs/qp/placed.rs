@@ -58,7 +58,12 @@ impl QueuePair {
         if let Some(ring) = self.receive_ring.get() {
             return Some(ring);
         }
-        let same_host = q.peer.as_ref().is_some_and(|p| p.memory.is_some());
+        // Another process on this host (this process's own QPs send each other messages).
+        let same_host = q
+            .peer
+            .as_ref()
+            .and_then(|p| p.memory.as_ref())
+            .is_some_and(|m| !m.is_this_process());
         if !same_host || !self.may_offer_receive_ring() {
             return None;
         }
@@ -129,25 +134,30 @@ impl QueuePair {
             }
             let len = placed.byte_len as usize;
             let room: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
-            let spans = local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
-                // The peer checked the room it read in the ring; a peer that wrote more
-                // than the WR holds broke the protocol: nothing lands.
-                .filter(|_| len as u64 <= room);
+            let spans = if len as u64 > room {
+                // The peer checked the room it read in the ring; one that wrote more than the
+                // WR holds broke the protocol: nothing lands.
+                Err(WcStatus::LocLenErr)
+            } else {
+                local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
+                    .ok_or(WcStatus::LocProtErr)
+            };
             match spans {
-                Some(spans) => {
+                Ok(spans) => {
                     crate::ucp::scatter(&spans, &bytes[..len]);
                     let wc = self.recv_completion(&wr, &h, len);
                     self.flushed_receive_in_order(q, wc);
                 }
-                None => {
-                    // Deregistered since it was posted: a local protection error, as the
-                    // message path's check gives (the peer's SEND already completed).
+                Err(status) => {
+                    // Deregistered since it was posted (not by ibv_dereg_mr, which fences):
+                    // a local protection error, as the message path's check gives (the
+                    // peer's SEND already completed).
                     tracing::debug!(
-                        "qp {:#x}: placed receive wr_id {} failed: its buffers went away",
+                        "qp {:#x}: placed receive wr_id {} failed: {status:?}",
                         self.qp_num,
                         wr.wr_id
                     );
-                    let wc = self.failed_receive(&wr, &h, WcStatus::LocProtErr);
+                    let wc = self.failed_receive(&wr, &h, status);
                     self.flushed_receive_in_order(q, wc);
                     q.placed_failed = true;
                     q.state = QpState::Err;
