@@ -735,9 +735,29 @@ pub(crate) unsafe extern "C" fn post_send(
             return libc::EINVAL;
         };
         let qp_obj = &shell.inner;
+        // SAFETY: `wr` is the application's WR list (NULL: empty).
+        let mut first = if !wr.is_null() && unsafe { (*wr).next }.is_null() {
+            // One WR (most lists): if it completes at post time (the same-host direct path),
+            // the worker is not needed, nor waited for while the progress thread holds it.
+            // SAFETY: as above; `wr` is not NULL.
+            match unsafe { send_request(wr, &qp_obj.caps, qp_obj.qp_type) }
+                .and_then(|req| qp_obj.post_send_at_once(req))
+            {
+                Ok(None) => return 0,
+                Ok(Some(req)) => Some(Ok(req)),
+                Err(e) => Some(Err(e)),
+            }
+        } else {
+            None
+        };
         let locked = engine.worker.lock();
         let mut cur = wr;
         let requests = std::iter::from_fn(|| {
+            if let Some(req) = first.take() {
+                // SAFETY: the one WR, read above.
+                cur = unsafe { (*cur).next };
+                return Some(req);
+            }
             if cur.is_null() {
                 return None;
             }

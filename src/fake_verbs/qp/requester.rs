@@ -194,46 +194,9 @@ impl QueuePair {
         Ok(())
     }
 
-    /// `datagram_to`: for a UD send, the endpoint to the address handle's process (None:
-    /// nobody answers to that address, the datagram is lost).
-    pub(super) fn post_send_locked(
-        &self,
-        q: &mut Queues,
-        req: SendRequest,
-        datagram_to: Option<Option<Arc<Endpoint>>>,
-        keys: &mut KeyCache,
-    ) -> Result<Option<DataMessage>, VerbsError> {
-        match q.state {
-            QpState::Rts | QpState::Sqd => {}
-            QpState::Err | QpState::Sqe => {
-                if q.state == QpState::Sqe || q.sq.is_empty() {
-                    let mut wc = WorkCompletion::new(
-                        req.wr_id,
-                        WcStatus::WrFlushErr,
-                        req.opcode.completion_opcode(),
-                        self.qp_num,
-                    );
-                    wc.byte_len = 0;
-                    self.send_cq.push(wc, true);
-                } else {
-                    // Behind a READ still landing (see `flush`), in post order.
-                    q.sq.push_back(SendEntry {
-                        wr_id: req.wr_id,
-                        opcode: req.opcode.completion_opcode(),
-                        signaled: true,
-                        seq: wire::psn_prev(q.next_send_seq),
-                        byte_len: 0,
-                        outcome: Some(WcStatus::WrFlushErr),
-                        response_into: None,
-                        pulling: false,
-                        resend: None,
-                        in_ucx: 0,
-                    });
-                }
-                return Ok(None);
-            }
-            _ => return Err(VerbsError::Invalid("post_send on a QP that is not in RTS")),
-        }
+    /// `ibv_post_send`'s checks of a WR against the QP (its state aside): the message kind it
+    /// makes and its length, or None for memory-window work (BIND_MW, LOCAL_INV).
+    fn check_send(&self, q: &Queues, req: &SendRequest) -> Result<Option<(Op, u64)>, VerbsError> {
         if q.sq.len() >= self.caps.max_send_wr as usize {
             return Err(VerbsError::QueueFull);
         }
@@ -282,8 +245,7 @@ impl QueuePair {
         }
         let op = match req.opcode {
             SendOpcode::Send | SendOpcode::SendWithImm | SendOpcode::SendWithInv => Op::Send,
-            // Memory-window work of this process: done now, in post order (`local.rs`).
-            SendOpcode::BindMw | SendOpcode::LocalInv => return self.post_local_operation(q, req),
+            SendOpcode::BindMw | SendOpcode::LocalInv => return Ok(None),
             SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => Op::Write,
             SendOpcode::RdmaRead => Op::ReadRequest,
             SendOpcode::AtomicFetchAndAdd | SendOpcode::AtomicCmpAndSwp => {
@@ -312,6 +274,78 @@ impl QueuePair {
                 "inline is for SEND and RDMA WRITE only",
             ));
         }
+        Ok(Some((op, length)))
+    }
+
+    /// Posts one WR of an RC QP in RTS or SQD if it completes at post time (the same-host
+    /// direct path): under the queue lock alone, without the worker's. `Ok(Some(req))` hands
+    /// it back, untouched, for [`QueuePair::post_send_list`]; an error is `ibv_post_send`'s.
+    pub fn post_send_at_once(&self, req: SendRequest) -> Result<Option<SendRequest>, VerbsError> {
+        if self.qp_type != QpType::Rc {
+            return Ok(Some(req));
+        }
+        let mut q = self.queues();
+        let same_host = q.peer.as_ref().is_some_and(|p| p.memory.is_some());
+        if !matches!(q.state, QpState::Rts | QpState::Sqd) || !same_host || !q.outbox.is_empty() {
+            return Ok(Some(req));
+        }
+        let Some((op, length)) = self.check_send(&q, &req)? else {
+            return Ok(Some(req));
+        };
+        let mut keys = std::mem::take(&mut q.send_keys);
+        let done = self.try_direct(&mut q, &req, op, length, &mut keys);
+        q.send_keys = keys;
+        debug_assert!(q.outbox.is_empty(), "a direct WR queued UCX work");
+        Ok(match done {
+            Some(_) => None,
+            None => Some(req),
+        })
+    }
+
+    /// `datagram_to`: for a UD send, the endpoint to the address handle's process (None:
+    /// nobody answers to that address, the datagram is lost).
+    pub(super) fn post_send_locked(
+        &self,
+        q: &mut Queues,
+        req: SendRequest,
+        datagram_to: Option<Option<Arc<Endpoint>>>,
+        keys: &mut KeyCache,
+    ) -> Result<Option<DataMessage>, VerbsError> {
+        match q.state {
+            QpState::Rts | QpState::Sqd => {}
+            QpState::Err | QpState::Sqe => {
+                if q.state == QpState::Sqe || q.sq.is_empty() {
+                    let mut wc = WorkCompletion::new(
+                        req.wr_id,
+                        WcStatus::WrFlushErr,
+                        req.opcode.completion_opcode(),
+                        self.qp_num,
+                    );
+                    wc.byte_len = 0;
+                    self.send_cq.push(wc, true);
+                } else {
+                    // Behind a READ still landing (see `flush`), in post order.
+                    q.sq.push_back(SendEntry {
+                        wr_id: req.wr_id,
+                        opcode: req.opcode.completion_opcode(),
+                        signaled: true,
+                        seq: wire::psn_prev(q.next_send_seq),
+                        byte_len: 0,
+                        outcome: Some(WcStatus::WrFlushErr),
+                        response_into: None,
+                        pulling: false,
+                        resend: None,
+                        in_ucx: 0,
+                    });
+                }
+                return Ok(None);
+            }
+            _ => return Err(VerbsError::Invalid("post_send on a QP that is not in RTS")),
+        }
+        let Some((op, length)) = self.check_send(q, &req)? else {
+            // Memory-window work of this process: done now, in post order (`local.rs`).
+            return self.post_local_operation(q, req);
+        };
         if let Some(done) = self.try_direct(q, &req, op, length, keys) {
             return Ok(done);
         }
