@@ -499,11 +499,6 @@ impl OwnReceiveRing {
         })
     }
 
-    /// Receive WRs posted so far.
-    pub fn posted(&self) -> u64 {
-        self.posted.load(Ordering::Relaxed)
-    }
-
     /// Posts the next receive WR (`posted()`-th): `room` bytes of buffers; `direct`: a
     /// placed SEND may land in them (else the peer leaves it to messages). The ring holds at
     /// least as many entries as the queue WRs: the caller never posts more than that beyond
@@ -539,9 +534,9 @@ impl OwnReceiveRing {
             && self.ring.entry(i).filled_as.load(Ordering::Acquire) == i + 1
     }
 
-    /// The message placed in the next receive WR to complete, if any; read into `out` (at
-    /// least [`SEND_MAX`] bytes). A length the WR has no room for (a peer that broke the
-    /// protocol) reads as none.
+    /// The message placed in the next receive WR to complete, if any; its bytes read into
+    /// `out` (at most `out.len()` of them). The length is the peer's word: the caller checks
+    /// it against the WR (and against `out`) before using the bytes.
     pub fn take_placed(&self, out: &mut [u8]) -> Option<Placed> {
         let i = self.collected.load(Ordering::Relaxed);
         if i >= self.posted.load(Ordering::Relaxed) {
@@ -552,14 +547,11 @@ impl OwnReceiveRing {
             return None;
         }
         let byte_len = entry.byte_len.load(Ordering::Relaxed);
-        let room = entry.room.load(Ordering::Relaxed);
-        if byte_len > room || byte_len as usize > out.len() {
-            return None;
-        }
         let imm_data = (entry.flags.load(Ordering::Relaxed) & FILLED_WITH_IMM != 0)
             .then(|| entry.imm_data.load(Ordering::Relaxed));
         let psn = entry.psn.load(Ordering::Relaxed) & super::wire::PSN_MASK;
-        self.ring.read_data(i, &mut out[..byte_len as usize]);
+        let n = (byte_len as usize).min(out.len());
+        self.ring.read_data(i, &mut out[..n]);
         self.collected.store(i + 1, Ordering::Relaxed);
         Some(Placed {
             byte_len,
@@ -953,5 +945,82 @@ impl PeerMemory {
                 Err(Refused::Unreachable)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The owner's ring and a peer's view of it (this process mapping its own memfd, as a
+    /// peer on this host does).
+    fn ring_and_peer(max_recv_wr: u32) -> (OwnReceiveRing, ReceiveRing) {
+        let own = OwnReceiveRing::create(max_recv_wr).unwrap();
+        let peer = ReceiveRing::open_peer(std::process::id() as i32, own.ring.fd(), own.ring.ino())
+            .unwrap();
+        (own, peer)
+    }
+
+    /// What `PeerMemory::send_locked` does once its checks passed.
+    fn place(peer: &ReceiveRing, bytes: &[u8], psn: u32) -> u64 {
+        let index = peer.taken();
+        assert!(peer.take(index));
+        peer.write_data(index, &[AppSpan::of_owned(bytes)]).unwrap();
+        let entry = peer.entry(index);
+        entry.byte_len.store(bytes.len() as u32, Ordering::Relaxed);
+        entry.psn.store(psn, Ordering::Relaxed);
+        entry.flags.store(0, Ordering::Relaxed);
+        entry.filled_as.store(index + 1, Ordering::Release);
+        index
+    }
+
+    #[test]
+    fn placed_sends_and_messages_take_receive_wrs_in_order_through_one_cursor() {
+        let (own, peer) = ring_and_peer(3); // 4 entries
+        own.set_expected_psn(0x10);
+        own.post(64, true);
+        own.post(64, false); // takes messages only
+        own.post(8, true);
+        assert_eq!(peer.posted(), 3);
+        assert_eq!(peer.expected_psn(), 0x10);
+        assert_eq!(peer.entry(1).posted_as.load(Ordering::Relaxed), 0);
+        assert_eq!(peer.entry(2).room.load(Ordering::Relaxed), 8);
+        assert!(!own.arrived());
+        place(&peer, b"first", 0x10);
+        assert!(own.arrived());
+        let mut out = [0u8; SEND_MAX];
+        let p = own.take_placed(&mut out).unwrap();
+        assert_eq!((p.byte_len, p.imm_data, p.psn), (5, None, 0x10));
+        assert_eq!(&out[..5], b"first");
+        // The next WR goes to a message the owner delivers.
+        assert!(own.take_for_message());
+        assert_eq!(peer.taken(), 2);
+        // A WR the peer took but has not filled yet is neither placed nor the message's.
+        assert!(peer.take(2));
+        assert!(own.take_placed(&mut out).is_none());
+        assert!(!own.take_for_message());
+        // Refused and skipped WRs.
+        own.post(64, true);
+        own.refuse(3);
+        assert_eq!(peer.entry(3).posted_as.load(Ordering::Relaxed), 0);
+        own.skip(); // the taken-unfilled one (its peer died): flushed
+        assert_eq!(own.collected(), 3);
+        own.reset();
+        assert_eq!((peer.posted(), peer.taken(), own.collected()), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_length_the_peer_wrote_beyond_any_entry_reads_no_more_than_the_buffer() {
+        let (own, peer) = ring_and_peer(1);
+        own.post(64, true);
+        let index = place(&peer, b"x", 0);
+        peer.entry(index)
+            .byte_len
+            .store(u32::MAX, Ordering::Relaxed);
+        let mut out = [0u8; SEND_MAX];
+        let p = own.take_placed(&mut out).unwrap();
+        // Reported as written, for the caller to refuse; nothing read past `out`.
+        assert_eq!(p.byte_len, u32::MAX);
+        assert_eq!(out[0], b'x');
     }
 }

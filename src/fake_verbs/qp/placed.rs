@@ -134,7 +134,7 @@ impl QueuePair {
             }
             let len = placed.byte_len as usize;
             let room: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
-            let spans = if len as u64 > room {
+            let spans = if len as u64 > room || len > SEND_MAX {
                 // The peer checked the room it read in the ring; one that wrote more than the
                 // WR holds broke the protocol: nothing lands.
                 Err(WcStatus::LocLenErr)
