@@ -22,8 +22,8 @@
 use super::Engine;
 pub use crate::shared_memory::{AtomicOp, ReceiveRing};
 use crate::shared_memory::{
-    Backing, ENTRY_DATA, FILLED_WITH_IMM, MAX_ENTRIES, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS,
-    Table, read_process, write_process,
+    Backing, ENTRY_DATA, FILLED_WITH_ACK, FILLED_WITH_IMM, MAX_ENTRIES, MR_SLOTS, PeerBacking,
+    PeerTable, QP_SLOTS, Table, read_process, write_process,
 };
 use crate::ucp::AppSpan;
 use rustc_hash::FxBuildHasher;
@@ -438,6 +438,8 @@ pub struct SendToRing<'a> {
     pub spans: &'a [AppSpan],
     pub imm_data: Option<u32>,
     pub psn: u32,
+    /// The ACK the sending QP owes the peer's, carried as a message would carry it.
+    pub ack: Option<u32>,
     /// The sending QP: this process's port LID and the QP's number.
     pub from: (u16, u32),
     /// The peer's QP.
@@ -450,6 +452,8 @@ pub struct Placed {
     pub byte_len: u32,
     pub imm_data: Option<u32>,
     pub psn: u32,
+    /// The peer acknowledges this QP's requests up to this PSN.
+    pub ack: Option<u32>,
 }
 
 /// Receive rings in this process, and the most it makes.
@@ -547,8 +551,11 @@ impl OwnReceiveRing {
             return None;
         }
         let byte_len = entry.byte_len.load(Ordering::Relaxed);
-        let imm_data = (entry.flags.load(Ordering::Relaxed) & FILLED_WITH_IMM != 0)
-            .then(|| entry.imm_data.load(Ordering::Relaxed));
+        let flags = entry.flags.load(Ordering::Relaxed);
+        let imm_data =
+            (flags & FILLED_WITH_IMM != 0).then(|| entry.imm_data.load(Ordering::Relaxed));
+        let ack = (flags & FILLED_WITH_ACK != 0)
+            .then(|| entry.ack_psn.load(Ordering::Relaxed) & super::wire::PSN_MASK);
         let psn = entry.psn.load(Ordering::Relaxed) & super::wire::PSN_MASK;
         let n = (byte_len as usize).min(out.len());
         self.ring.read_data(i, &mut out[..n]);
@@ -557,6 +564,7 @@ impl OwnReceiveRing {
             byte_len,
             imm_data,
             psn,
+            ack,
         })
     }
 
@@ -837,6 +845,7 @@ impl PeerMemory {
             spans,
             imm_data,
             psn,
+            ack,
             from: (my_lid, my_qpn),
             dst_qpn,
         }: &SendToRing<'_>,
@@ -896,14 +905,14 @@ impl PeerMemory {
         entry
             .imm_data
             .store(imm_data.unwrap_or(0), Ordering::Relaxed);
-        entry.flags.store(
-            if imm_data.is_some() {
-                FILLED_WITH_IMM
-            } else {
-                0
-            },
-            Ordering::Relaxed,
-        );
+        entry.ack_psn.store(ack.unwrap_or(0), Ordering::Relaxed);
+        let with_imm = if imm_data.is_some() {
+            FILLED_WITH_IMM
+        } else {
+            0
+        };
+        let with_ack = if ack.is_some() { FILLED_WITH_ACK } else { 0 };
+        entry.flags.store(with_imm | with_ack, Ordering::Relaxed);
         entry.psn.store(psn, Ordering::Relaxed);
         ring.set_expected_psn(super::wire::psn_add(psn, 1));
         entry.filled_as.store(index + 1, Ordering::Release);

@@ -61,10 +61,15 @@ pub struct EntryHead {
     pub flags: AtomicU32,
     /// The placed SEND's PSN.
     pub psn: AtomicU32,
+    /// With [`FILLED_WITH_ACK`]: the newest PSN of the owner's own requests the peer
+    /// acknowledges with this SEND (as a message's piggybacked ACK).
+    pub ack_psn: AtomicU32,
 }
 
 /// The placed message carries immediate data.
 pub const FILLED_WITH_IMM: u32 = 1;
+/// The placed message acknowledges the owner's requests up to `ack_psn`.
+pub const FILLED_WITH_ACK: u32 = 2;
 
 const HEADER_SIZE: usize = 3 * 64;
 const ENTRY_SIZE: usize = std::mem::size_of::<EntryHead>() + ENTRY_DATA;

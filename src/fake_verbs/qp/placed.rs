@@ -124,6 +124,12 @@ impl QueuePair {
                 break; // the ring runs ahead of the queue only if the peer broke the protocol
             };
             self.established(q);
+            if let Some(ack) = placed.ack
+                && matches!(q.state, QpState::Rts | QpState::Sqd | QpState::Sqe)
+            {
+                // The peer's piggybacked ACK of this QP's own requests, as on a message.
+                self.peer_acknowledged(q, ack);
+            }
             q.expected_seq = wire::psn_add(placed.psn, 1);
             q.last_delivered = placed.psn;
             let (src_qpn, src_lid) = q.peer.as_ref().map_or((0, 0), |p| (p.qpn, p.lid));

@@ -757,10 +757,15 @@ impl QueuePair {
             spans: &spans,
             imm_data: imm,
             psn,
+            // The ACK this QP owes the peer rides along, as on a message.
+            ack: q.ack_owed,
             from: (self.local_lid, self.qp_num),
             dst_qpn: peer.qpn,
         };
         memory.send(&mut q.peer_ring, &send).ok()?;
+        if send.ack.is_some() {
+            super::responder::take_owed_ack(q);
+        }
         // Delivered: numbered, and acknowledged at once.
         q.next_send_seq = wire::psn_add(psn, 1);
         q.acked_psn = psn;
