@@ -120,8 +120,9 @@ pub struct CompletionQueue {
     users: AtomicUsize,
     events: Mutex<(u64, u64)>, // (delivered, acknowledged)
     events_acked: Condvar,
-    /// The receive rings of the QPs whose receives complete here and that same-host peers
-    /// place SENDs in (`qp/placed.rs`): a poll completes what they placed first.
+    /// The receive rings of the QPs whose completions (receives or sends) come here and that
+    /// same-host peers place SENDs in (`qp/placed.rs`): a poll completes what they placed
+    /// first (the receives, and the sends the ACKs placed with them acknowledge).
     placed_sources: Mutex<Vec<PlacedSource>>,
     /// How many there are (read without the lock on every poll).
     placed_count: AtomicUsize,

@@ -39,13 +39,16 @@ pub fn fence_placed_receives(lkey: u32) {
 
 impl QueuePair {
     /// Whether this QP may offer its receive queue to a same-host peer: an RC QP with its own
-    /// receive queue whose receive CQ has no completion channel (a placed SEND raises no
-    /// event: the CQ's owner must be one that polls).
+    /// receive queue whose CQs have no completion channel (a placed SEND raises no event:
+    /// the CQs' owner must be one that polls). Both CQs: a placed SEND also carries the ACK
+    /// of this QP's own sends, which an application waiting for a send completion must get
+    /// by polling its send CQ, as a HCA's ACK needs no poll of the receive CQ.
     fn may_offer_receive_ring(&self) -> bool {
         self.qp_type == QpType::Rc
             && self.srq.is_none()
             && self.xrc_target.is_none()
             && self.recv_cq.channel.is_none()
+            && self.send_cq.channel.is_none()
             && direct::enabled()
     }
 
@@ -81,8 +84,13 @@ impl QueuePair {
             self.offer_receive(ring, q, wr);
         }
         let me: Arc<dyn PlacedArrivals> = Arc::clone(self) as Arc<dyn PlacedArrivals>;
+        // Polling either CQ completes what was placed (and applies the ACKs it carries).
         self.recv_cq
             .add_placed_source(Arc::clone(ring), Arc::downgrade(&me));
+        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            self.send_cq
+                .add_placed_source(Arc::clone(ring), Arc::downgrade(&me));
+        }
         let mut all = WITH_RINGS.lock().unwrap_or_else(|p| p.into_inner());
         all.retain(|w| w.strong_count() > 0);
         all.push(Arc::downgrade(self));
@@ -228,6 +236,7 @@ impl QueuePair {
     pub(super) fn retire_receive_ring(&self) {
         if let Some(ring) = self.receive_ring.get() {
             self.recv_cq.remove_placed_source(ring);
+            self.send_cq.remove_placed_source(ring);
             WITH_RINGS
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
