@@ -182,9 +182,11 @@ fn sends_placed(out: &std::process::Output) -> u64 {
 /// The same-host SEND path: tests/c/direct_send.c (two processes) checks data, order and every
 /// completion field of SENDs up to 256 bytes (placed straight in the receiver's posted buffers)
 /// and above (messages), in one stream of 20,000 (mixed in its second half), and the message
-/// path's errors and flush
-/// order: a receive WR too short, one whose MR was deregistered before the SEND (and one after
-/// the SEND arrived, which completes), a QP moved to ERR with placed receives not yet polled.
+/// path's errors and flush order: a receive WR too short, one whose MR was deregistered before
+/// the SEND (and one after the SEND arrived, which completes), a QP moved to ERR with placed
+/// receives not yet polled;
+/// and that a sender polling only its send CQ gets the ACK a placed SEND carries back (it
+/// waited for its transport timer, ~4.3 s, when only a poll of the receive CQ read the ring).
 /// Run with the path on, where the debug log must count placed SENDs, and off, where it must
 /// count none; the program's checks are the same.
 #[test]

@@ -24,6 +24,9 @@
  *   flush    three SENDs complete at the sender; the receiver moves its QP to ERR before
  *            polling: the three receives complete with their data, then the two other posted
  *            receives are flushed, in order.
+ *   ack      200 times: a 1000-byte SEND whose sender polls only its send CQ until it
+ *            completes, answered by a small SEND (placed, carrying the ACK): each completes
+ *            within a second (the local ACK timeout is ~4.3 s).
  * Prints "direct_send: ok". Usage: direct_send */
 #include "verbs_test.h"
 #include <arpa/inet.h>
@@ -38,6 +41,8 @@
 
 static int to_child[2], to_parent[2];
 static int is_child;
+/* The local ACK timeout the next open_side gives its QP. */
+static uint8_t ack_timeout = 14;
 
 static void put(const void *p, size_t n)
 {
@@ -107,7 +112,7 @@ static void open_side(struct side *s)
     get(peer, sizeof peer);
     s->peer_lid = peer[0];
     s->peer_qpn = peer[1];
-    to_rts(s->qp, s->peer_lid, s->peer_qpn, 0);
+    to_rts_with_timeout(s->qp, s->peer_lid, s->peer_qpn, 0, ack_timeout);
 }
 
 static void close_side(struct side *s)
@@ -473,12 +478,65 @@ static void flush_sender(void)
     close_side(&s);
 }
 
+/* ------------------------------------------------------------------------------ ack */
+
+/* The parent sends a 1000-byte SEND (a message) and waits for its completion polling only
+ * its send CQ; the child answers each with a 16-byte SEND, placed in the parent's ring and
+ * carrying the ACK the child owes. The parent must get its completion without polling its
+ * receive CQ, as from a HCA: with a local ACK timeout of ~4.3 s, a completion that waited
+ * for the transport timer (the ACK left unread in the ring) takes seconds. */
+#define ACK_ROUNDS 200
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static void ack_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    post_recv_slot(&s, 0, 0, SLOT);
+    step('r');
+    for (uint32_t i = 0; i < ACK_ROUNDS; i++) {
+        expect_recv(&s, i, 1000, 0);
+        post_recv_slot(&s, i + 1, 0, SLOT);
+        post_send(&s, 1000 + i, SLOT, 16, 0, IBV_SEND_SIGNALED);
+        expect_send(&s, 1000 + i, IBV_WC_SUCCESS);
+    }
+    await_step('d');
+    close_side(&s);
+}
+
+static void ack_sender(void)
+{
+    ack_timeout = 20;
+    struct side s;
+    open_side(&s);
+    ack_timeout = 14;
+    await_step('r');
+    for (uint32_t i = 0; i < ACK_ROUNDS; i++) {
+        post_recv_slot(&s, 2000 + i, 1, SLOT);
+        double start = now_s();
+        post_send(&s, i, 0, 1000, 0, IBV_SEND_SIGNALED);
+        expect_send(&s, i, IBV_WC_SUCCESS);
+        double took = now_s() - start;
+        CHECK(took < 1.0, "round %u: the send completion waited %.3f s for its ACK", i, took);
+        expect_recv(&s, 2000 + i, 16, 0);
+    }
+    step('d');
+    close_side(&s);
+}
+
 int main(void)
 {
     void (*scenario[][2])(void) = {
         { shapes_receiver, shapes_sender },   { stream_receiver, stream_sender },
         { short_receiver, short_sender },     { dereg_receiver, dereg_sender },
         { arrived_receiver, arrived_sender }, { flush_receiver, flush_sender },
+        { ack_receiver, ack_sender },
     };
     CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");
     pid_t child = fork();

@@ -15,8 +15,10 @@
 /* A call that must fail with `bad` and errno `e`. */
 #define FAILS_WITH(call, bad, e) do { errno = 0; CHECK((call) == (bad) && errno == (e), "%s", #call); } while (0)
 
-/* RESET → INIT (with `access` as the QP's remote access) → RTR towards (dlid, dqpn) → RTS. */
-static inline void to_rts(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access)
+/* RESET → INIT (with `access` as the QP's remote access) → RTR towards (dlid, dqpn) → RTS
+ * with local ACK timeout `timeout` (4.096 µs × 2^timeout). */
+static inline void to_rts_with_timeout(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access,
+                                       uint8_t timeout)
 {
     struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = access };
     CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "INIT");
@@ -26,9 +28,15 @@ static inline void to_rts(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int a
     CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
                         IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) == 0, "RTR");
     memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
+    a.qp_state = IBV_QPS_RTS; a.timeout = timeout; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
     CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                         IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) == 0, "RTS");
+}
+
+/* As to_rts_with_timeout, ibv_rc_pingpong's timeout (14: ~67 ms). */
+static inline void to_rts(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access)
+{
+    to_rts_with_timeout(qp, dlid, dqpn, access, 14);
 }
 
 /* One completion from `cq` within 10 s: 1, or 0 when none came. */
