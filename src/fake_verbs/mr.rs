@@ -614,22 +614,32 @@ impl KeyCache {
     }
 }
 
+/// The checks of one SGE against the local MRs of `pd` (lkey, PD, liveness, local write when
+/// `need_write`): the region it lies in and its address in this process (the SGE's address is
+/// in the MR's iova space). Its range is checked by what uses the region.
+fn checked_sge(
+    pd: &Arc<ProtectionDomain>,
+    sge: &Sge,
+    need_write: bool,
+    cache: &mut KeyCache,
+) -> Option<(RegionExtent, u64)> {
+    let mr = cache.by_lkey(sge.lkey)?;
+    if mr.pd != Arc::as_ptr(pd) as usize || !mr.region.is_live() {
+        return None;
+    }
+    if need_write && mr.access & ACCESS_LOCAL_WRITE == 0 {
+        return None;
+    }
+    let offset = sge.addr.checked_sub(mr.iova)?;
+    Some((mr.region, mr.region.addr().checked_add(offset)?))
+}
+
 /// Whether `sges` name live, pinned (not on-demand) memory of `pd` with local write access
 /// (what [`local_spans_cached`] would cut for a receive), without cutting spans.
 pub fn receive_sges_pinned(pd: &Arc<ProtectionDomain>, sges: &[Sge], cache: &mut KeyCache) -> bool {
     sges.iter().filter(|s| s.length > 0).all(|sge| {
-        let Some(mr) = cache.by_lkey(sge.lkey) else {
-            return false;
-        };
-        mr.pd == Arc::as_ptr(pd) as usize
-            && mr.access & ACCESS_LOCAL_WRITE != 0
-            && mr.region.is_live()
-            && sge.addr.checked_sub(mr.iova).is_some_and(|offset| {
-                mr.region
-                    .addr()
-                    .checked_add(offset)
-                    .is_some_and(|addr| mr.region.holds_pinned(addr, u64::from(sge.length)))
-            })
+        checked_sge(pd, sge, true, cache)
+            .is_some_and(|(region, addr)| region.holds_pinned(addr, u64::from(sge.length)))
     })
 }
 
@@ -645,20 +655,8 @@ pub fn local_spans_cached(
         if sge.length == 0 {
             continue;
         }
-        let mr = cache.by_lkey(sge.lkey)?;
-        if mr.pd != Arc::as_ptr(pd) as usize || !mr.region.is_live() {
-            return None;
-        }
-        if need_write && mr.access & ACCESS_LOCAL_WRITE == 0 {
-            return None;
-        }
-        // The SGE address is in the MR's iova space; translate to the process address.
-        let offset = sge.addr.checked_sub(mr.iova)?;
-        let addr = mr.region.addr().checked_add(offset)?;
-        spans.push(
-            mr.region
-                .span_for(addr, u64::from(sge.length), need_write)?,
-        );
+        let (region, addr) = checked_sge(pd, sge, need_write, cache)?;
+        spans.push(region.span_for(addr, u64::from(sge.length), need_write)?);
     }
     Some(spans)
 }

@@ -160,6 +160,13 @@ pub struct RecvRequest {
     pub sges: SgeList,
 }
 
+impl RecvRequest {
+    /// The bytes its buffers hold (its SGEs' lengths added up).
+    pub fn room(&self) -> u64 {
+        self.sges.iter().map(|s| u64::from(s.length)).sum()
+    }
+}
+
 /// `enum ibv_wc_status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]

@@ -110,9 +110,8 @@ impl QueuePair {
     /// pinned memory now (else the SEND goes through UCX, and the responder's checks give the
     /// outcome).
     fn offer_receive(&self, ring: &OwnReceiveRing, q: &mut Queues, wr: &RecvRequest) {
-        let room: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
         ring.post(
-            room,
+            wr.room(),
             receive_sges_pinned(&self.pd, &wr.sges, &mut q.recv_keys),
         );
     }
@@ -123,7 +122,8 @@ impl QueuePair {
         let Some(ring) = self.receive_ring.get() else {
             return false;
         };
-        if q.placed_failed {
+        // Every message to this QP and every flush comes through here: look before anything.
+        if q.placed_failed || !ring.arrived() {
             return false;
         }
         let mut bytes = [0u8; SEND_MAX];
@@ -147,8 +147,7 @@ impl QueuePair {
                 h.imm_data = imm;
             }
             let len = placed.byte_len as usize;
-            let room: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
-            let spans = if len as u64 > room || len > SEND_MAX {
+            let spans = if len as u64 > wr.room() || len > SEND_MAX {
                 // The peer checked the room it read in the ring; one that wrote more than the
                 // WR holds broke the protocol: nothing lands.
                 Err(WcStatus::LocLenErr)

@@ -152,7 +152,7 @@ impl QueuePair {
         len: usize,
         reserve: usize,
     ) -> Option<SpanList> {
-        let capacity: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
+        let capacity = wr.room();
         let (status, nak) = if (len + reserve) as u64 > capacity {
             (WcStatus::LocLenErr, Nak::InvalidRequest)
         } else {
