@@ -79,6 +79,22 @@ pub fn describe(engine: &Engine) -> String {
         }
     };
     let _ = writeln!(out, "progress:      {progress}");
+    let fifos = engine.worker.watched_fifos();
+    let _ = if fifos > 0 {
+        writeln!(
+            out,
+            "shared memory: {fifos} receive FIFOs watched: a slot that a sender killed while \
+             writing it left unwritten is completed as an empty message (else every later \
+             shared-memory message waits behind it)"
+        )
+    } else {
+        writeln!(
+            out,
+            "shared memory: receive FIFOs not watched (no shared-memory transport, FIFOs sized \
+             by the user, or a UCX whose layout ugdr does not know): a peer killed while \
+             writing into one can stop this process receiving from peers on this host"
+        )
+    };
     let _ = writeln!(
         out,
         "ucx:           {}",

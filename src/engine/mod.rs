@@ -41,6 +41,7 @@ use rustc_hash::FxBuildHasher;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 pub struct Engine {
     pub worker: Arc<Worker>,
@@ -65,6 +66,8 @@ pub struct Engine {
     /// What the application's threads tell the progress thread (polls, posts).
     activity: Arc<progress::Activity>,
     progress_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// When a peer process on this host was last found gone (`check_local_peers`).
+    local_peer_exit: Mutex<Option<Instant>>,
 }
 
 /// A connection to another ugdr process, and its pid when it runs on this host (the engine
@@ -75,6 +78,14 @@ struct PeerProcess {
     /// Its published memory, mapped here (same host, direct path permitted).
     memory: Option<Arc<direct::PeerMemory>>,
 }
+
+/// How long a shared-memory FIFO slot stays unwritten before it may be abandoned
+/// (`Engine::mend_receive_fifos`): when a local peer exited, from at most
+/// [`FIFO_SLOT_EXIT_BEFORE`] before the slot was first seen unwritten; else
+/// [`FIFO_SLOT_ABANDONED_ANYWAY`].
+const FIFO_SLOT_ABANDONED: Duration = Duration::from_millis(100);
+const FIFO_SLOT_EXIT_BEFORE: Duration = Duration::from_secs(10);
+const FIFO_SLOT_ABANDONED_ANYWAY: Duration = Duration::from_secs(2);
 
 static ENGINE: OnceLock<Result<Engine, EngineError>> = OnceLock::new();
 
@@ -178,10 +189,12 @@ impl Engine {
             None
         };
         tracing::debug!(
-            "engine up: lid {lid:#06x} ip {} address {} bytes, progress {}",
+            "engine up: lid {lid:#06x} ip {} address {} bytes, progress {}, {} shared-memory \
+             receive FIFOs watched",
             network.ipv4,
             address.len(),
-            progress.mode.name()
+            progress.mode.name(),
+            worker.watched_fifos()
         );
         Ok(Engine {
             worker,
@@ -200,6 +213,7 @@ impl Engine {
             progress,
             activity,
             progress_thread: Mutex::new(Some(progress_thread)),
+            local_peer_exit: Mutex::new(None),
         })
     }
 
@@ -354,6 +368,12 @@ impl Engine {
                 .map(|p| Arc::clone(&p.endpoint))
                 .collect()
         };
+        if !dead.is_empty() {
+            *self
+                .local_peer_exit
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        }
         for ep in dead {
             ep.mark_failed(
                 locked,
@@ -361,6 +381,48 @@ impl Engine {
                     code: -25,
                     text: "peer process exited".into(),
                 },
+            );
+        }
+    }
+
+    /// Completes a slot of this process's shared-memory receive FIFOs that a sender took and
+    /// will never write, because it died between the two (`ucp::fifo`): without this, the
+    /// worker waits for that slot forever and never sees another shared-memory message, from
+    /// any process (SPDK's target answered no initiator again after one was killed mid-I/O).
+    /// A slot counts as abandoned once it stayed unwritten for [`FIFO_SLOT_ABANDONED`] and a
+    /// peer process on this host exited around then, or for [`FIFO_SLOT_ABANDONED_ANYWAY`]
+    /// (a sender that is not a known peer; a live sender writes a slot within microseconds,
+    /// and one stopped that long between taking and writing one is stopped in a debugger).
+    pub(crate) fn mend_receive_fifos(&self, locked: &LockedWorker<'_>) {
+        let now = Instant::now();
+        let Some(stalled) = locked.stalled_fifo_slot(now) else {
+            return;
+        };
+        let unwritten_for = now.saturating_duration_since(stalled.since);
+        if unwritten_for < FIFO_SLOT_ABANDONED {
+            return;
+        }
+        self.check_local_peers(locked);
+        let exit = *self
+            .local_peer_exit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let peer_exited = exit.is_some_and(|t| t + FIFO_SLOT_EXIT_BEFORE >= stalled.since);
+        if !peer_exited && unwritten_for < FIFO_SLOT_ABANDONED_ANYWAY {
+            return;
+        }
+        if locked.complete_abandoned_fifo_slot(stalled, wire::AM_ID as u16) {
+            tracing::warn!(
+                "shared memory: a sender took slot {} of this process's receive FIFO and left it \
+                 unwritten for {} ms ({}); completed it as an empty message so that what \
+                 follows it is received",
+                stalled.index,
+                unwritten_for.as_millis(),
+                if peer_exited {
+                    "a peer process on this host exited"
+                } else {
+                    "no live sender takes that long"
+                }
             );
         }
     }

@@ -110,6 +110,8 @@ const IDLE_POLLS_PER_ACK_FLUSH: u32 = 8;
 
 /// How often the progress thread checks that local peers are alive.
 const PEER_CHECK_INTERVAL: Duration = Duration::from_millis(200);
+/// How often the shared-memory receive FIFOs are looked at for a slot a dead sender abandoned.
+const FIFO_CHECK_INTERVAL: Duration = Duration::from_millis(50);
 
 /// What the application's threads tell the progress thread.
 #[derive(Default)]
@@ -392,7 +394,17 @@ pub(super) fn run(
     let mut calm_after: Option<Instant> = None;
     let mut next_tick = Instant::now();
     let mut pending = PendingSendPoll::new();
+    let watch_fifos = worker.watched_fifos() > 0;
+    let mut last_fifo_check = Instant::now();
     while !stopping.load(Ordering::Acquire) {
+        // A slot of the shared-memory FIFO that a dead sender took and never wrote stops all
+        // shared-memory receiving, whoever progresses (the application polling, or this thread).
+        if watch_fifos && last_fifo_check.elapsed() >= FIFO_CHECK_INTERVAL {
+            last_fifo_check = Instant::now();
+            if let (Some(engine), Some(locked)) = (Engine::running(), worker.try_lock()) {
+                engine.mend_receive_fifos(&locked);
+            }
+        }
         // Transport timers run whether the application sleeps, polls or spins, and no ACK
         // waits longer than OWED_ACK_MAX_WAIT for a message to ride on.
         super::tick_if_due(worker, &mut next_tick);

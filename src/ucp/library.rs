@@ -54,6 +54,9 @@ static UCX: OnceLock<Result<Ucx, Error>> = OnceLock::new();
 const UCX_MODULES_WITHOUT_RDMA: &CStr = c"^ib,rdmacm";
 /// The size of a shared-memory FIFO element (see [`Ucx::context_options`]).
 const SHARED_MEMORY_FIFO_ELEMENT: &CStr = c"256";
+const SHARED_MEMORY_FIFO_ELEMENT_BYTES: usize = 256;
+/// UCX's default number of elements in a shared-memory FIFO (`UCX_MM_FIFO_SIZE`).
+const SHARED_MEMORY_FIFO_SLOTS: u64 = 64;
 const LIBUCP: &CStr = c"libucp.so.0";
 const LIBIBVERBS: &CStr = c"libibverbs.so.1";
 
@@ -351,6 +354,23 @@ fn shared_memory_transports_wanted(tls: Option<&str>) -> bool {
             .any(|t| matches!(t.trim(), "all" | "sm" | "shm" | "posix" | "sysv" | "mm"))
 }
 
+/// The shape of the shared-memory FIFOs this process's UCX makes: the element size ugdr sets
+/// and UCX's default of 64 elements. None where the user sized either, or left shared memory
+/// out of `UCX_TLS`.
+pub(crate) fn shared_memory_fifo_geometry() -> Option<super::fifo::Geometry> {
+    let sized_by_user = ["MM", "POSIX", "SYSV"]
+        .iter()
+        .any(|tl| std::env::var_os(format!("UCX_{tl}_FIFO_SIZE")).is_some());
+    let tls = std::env::var("UCX_TLS").ok();
+    (shared_memory_transports_wanted(tls.as_deref())
+        && !sized_by_user
+        && !fifo_element_set_by_user())
+    .then_some(super::fifo::Geometry {
+        slots: SHARED_MEMORY_FIFO_SLOTS,
+        slot_size: SHARED_MEMORY_FIFO_ELEMENT_BYTES,
+    })
+}
+
 /// Whether the user sized the shared-memory FIFO elements.
 fn fifo_element_set_by_user() -> bool {
     ["MM", "POSIX", "SYSV"]
@@ -360,7 +380,19 @@ fn fifo_element_set_by_user() -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::shared_memory_transports_wanted;
+    use super::*;
+
+    #[test]
+    fn the_fifo_element_size_set_is_the_one_watched() {
+        assert_eq!(
+            SHARED_MEMORY_FIFO_ELEMENT
+                .to_str()
+                .unwrap()
+                .parse::<usize>()
+                .unwrap(),
+            SHARED_MEMORY_FIFO_ELEMENT_BYTES
+        );
+    }
 
     #[test]
     fn fifo_elements_are_sized_only_where_shared_memory_may_be_used() {

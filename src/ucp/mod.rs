@@ -12,6 +12,7 @@
 //! request holds its region (see `memory`), so unmapping it waits for the transfer.
 
 mod endpoint;
+pub mod fifo;
 mod library;
 pub mod mappings;
 mod memory;

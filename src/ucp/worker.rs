@@ -2,6 +2,7 @@
 
 use super::Error;
 use super::endpoint::SendRequest;
+use super::fifo::{self, ReceiveFifos};
 use super::library::Ucx;
 use super::memory::{AppSpan, Hold, hold_all};
 use crate::sys::{self, ucs};
@@ -160,6 +161,8 @@ pub struct Worker {
     progress_sleeping: AtomicBool,
     event_fd: RawFd,
     handlers: OnceLock<Box<HandlerSlot>>,
+    /// The worker's own shared-memory receive FIFOs (touched only under `lock`).
+    fifos: Mutex<ReceiveFifos>,
     context: Arc<Context>,
 }
 
@@ -185,10 +188,21 @@ impl Worker {
             ..Default::default()
         };
         let mut handle: sys::ucp_worker_h = ptr::null_mut();
+        let geometry = super::library::shared_memory_fifo_geometry();
+        let before = geometry.map(|_| fifo::mappings()).unwrap_or_default();
         // SAFETY: context is live (held by the Arc); params valid for the call.
         Error::check(unsafe {
             api.ucp_worker_create(context.handle.as_ptr(), &params, &mut handle)
         })?;
+        let fifos = match geometry {
+            Some(_) => ReceiveFifos::created_between(
+                &before,
+                &fifo::mappings(),
+                &super::ucx_version().unwrap_or_default(),
+                geometry,
+            ),
+            None => ReceiveFifos::created_between(&[], &[], "", None),
+        };
         let handle = NonNull::new(handle)
             .ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
         let mut event_fd: i32 = -1;
@@ -207,8 +221,15 @@ impl Worker {
             progress_sleeping: AtomicBool::new(false),
             event_fd,
             handlers: OnceLock::new(),
+            fifos: Mutex::new(fifos),
             context,
         }))
+    }
+
+    /// How many of its shared-memory receive FIFOs the worker watches for slots that a dead
+    /// sender abandoned (0 where UCX's layout is unknown or the user sized them).
+    pub fn watched_fifos(&self) -> usize {
+        self.fifos.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// The file descriptor that becomes readable when the worker has work (after `arm`).
@@ -422,6 +443,20 @@ impl<'w> LockedWorker<'w> {
 
     pub fn worker(&self) -> &'w Worker {
         self.worker
+    }
+
+    /// The oldest slot of the worker's shared-memory FIFOs that a sender took and has not
+    /// written, with since when it is seen so (`fifo::ReceiveFifos::stalled`).
+    pub fn stalled_fifo_slot(&self, now: std::time::Instant) -> Option<fifo::Stalled> {
+        let mut fifos = self.worker.fifos.lock().unwrap_or_else(|p| p.into_inner());
+        fifos.stalled(now)
+    }
+
+    /// Completes a slot that a dead sender abandoned as an empty active message for `am_id`,
+    /// so that the worker receives what follows it (`fifo::ReceiveFifos::complete_abandoned`).
+    pub fn complete_abandoned_fifo_slot(&self, stalled: fifo::Stalled, am_id: u16) -> bool {
+        let mut fifos = self.worker.fifos.lock().unwrap_or_else(|p| p.into_inner());
+        fifos.complete_abandoned(stalled, am_id)
     }
 
     /// One pass of `ucp_worker_progress`; returns the number of events it processed.
