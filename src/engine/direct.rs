@@ -700,7 +700,10 @@ impl PeerMemory {
 
     /// Counts one outcome; the counts are logged at each power of two.
     fn count(&self, counter: &AtomicU64) {
-        let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
+        // A statistic for the log: a load and a store, not an atomic read-modify-write (~20
+        // cycles on every direct access); two threads counting at once may lose one.
+        let n = counter.load(Ordering::Relaxed) + 1;
+        counter.store(n, Ordering::Relaxed);
         if n.is_power_of_two() {
             self.log_counts();
         }
@@ -864,21 +867,20 @@ impl PeerMemory {
         if fd < 0 || ino == 0 {
             return Err(Refused::NotPublished);
         }
-        let ring = match cache {
-            Some(r) if r.ino() == ino => Arc::clone(r),
-            _ if self.rings_unreachable.load(Ordering::Relaxed) => {
+        if cache.as_ref().is_none_or(|r| r.ino() != ino) {
+            if self.rings_unreachable.load(Ordering::Relaxed) {
                 return Err(Refused::Unreachable);
             }
-            _ => {
-                let r = ReceiveRing::open_peer(self.pid, fd, ino).map_err(|e| {
-                    tracing::debug!("cannot map a receive ring of pid {}: {e}", self.pid);
-                    self.rings_unreachable.store(true, Ordering::Relaxed);
-                    Refused::Unreachable
-                })?;
-                let r = Arc::new(r);
-                *cache = Some(Arc::clone(&r));
-                r
-            }
+            let r = ReceiveRing::open_peer(self.pid, fd, ino).map_err(|e| {
+                tracing::debug!("cannot map a receive ring of pid {}: {e}", self.pid);
+                self.rings_unreachable.store(true, Ordering::Relaxed);
+                Refused::Unreachable
+            })?;
+            *cache = Some(Arc::new(r));
+        }
+        // Borrowed, not cloned: two atomic read-modify-writes fewer per SEND.
+        let Some(ring) = cache.as_deref() else {
+            return Err(Refused::Unreachable);
         };
         if ring.expected_psn() != psn {
             return Err(Refused::NotPublished);

@@ -172,11 +172,13 @@ impl ReceiveRing {
     }
 
     pub fn expected_psn(&self) -> u32 {
-        self.taken_line().expected_psn.load(Ordering::SeqCst)
+        self.taken_line().expected_psn.load(Ordering::Acquire)
     }
 
+    /// Release, not SeqCst (an `xchg` on every placed SEND): whoever reads the PSN then sees
+    /// the WRs taken before it was stored; nothing reads back after storing it.
     pub fn set_expected_psn(&self, psn: u32) {
-        self.taken_line().expected_psn.store(psn, Ordering::SeqCst);
+        self.taken_line().expected_psn.store(psn, Ordering::Release);
     }
 
     fn entry_base(&self, index: u64) -> *mut u8 {
