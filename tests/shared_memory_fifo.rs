@@ -103,17 +103,17 @@ fn rping_client(port: &str, count: &str) -> std::process::Command {
     )
 }
 
-#[test]
-fn a_peer_killed_while_writing_into_this_processs_shared_memory_fifo_does_not_silence_it() {
+/// rping's persistent server (every client in turn, on one ugdr worker), listening, and its
+/// port. Its receive CQ has a completion channel, so the clients' SENDs come through UCX's
+/// FIFO, not the same-host SEND path.
+fn persistent_rping_server(log: &str) -> (Guarded, String) {
     let port = free_port();
     let p = port.to_string();
-    // rping's persistent server: every client in turn, on one ugdr worker. Its receive CQ
-    // has a completion channel, so the clients' SENDs come through UCX's FIFO.
     let mut server = preloaded(
         "rping",
         &["-s", "-P", "-a", "127.0.0.1", "-p", &p, "-S", "100"],
     );
-    server.env("UGDR_LOG", "warn");
+    server.env("UGDR_LOG", log);
     let mut server = Guarded::spawn(server, "rping -s -P");
     let deadline = Instant::now() + Duration::from_secs(30);
     while !listening_here(port) {
@@ -121,6 +121,12 @@ fn a_peer_killed_while_writing_into_this_processs_shared_memory_fifo_does_not_si
         assert!(Instant::now() < deadline, "rping -s -P never listened");
         std::thread::sleep(Duration::from_millis(20));
     }
+    (server, p)
+}
+
+#[test]
+fn a_peer_killed_while_writing_into_this_processs_shared_memory_fifo_does_not_silence_it() {
+    let (mut server, p) = persistent_rping_server("warn");
     // A first client is served, then one that pings until it is killed.
     let first = run(
         rping_client(&p, "5"),
@@ -187,4 +193,91 @@ fn a_peer_killed_while_writing_into_this_processs_shared_memory_fifo_does_not_si
             && log.contains("a peer process on this host exited"),
         "the server did not say it completed the abandoned slot\n{log}"
     );
+}
+
+/// The shared-memory mappings of other processes in `pid`: what UCX attached of its peers
+/// (their FIFOs and receive buffers), as opposed to its own.
+fn peers_mappings(pid: i32) -> usize {
+    let own: Vec<u64> = receive_fifos(pid).iter().map(|(base, _)| *base).collect();
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .expect("maps")
+        .lines()
+        .filter(|l| l.contains("/ucx_shm_posix_") || l.contains(" /SYSV"))
+        .filter(|l| {
+            let start = l
+                .split('-')
+                .next()
+                .and_then(|s| u64::from_str_radix(s, 16).ok());
+            !start.is_some_and(|s| own.contains(&s))
+        })
+        .count()
+}
+
+/// How many ugdr tables (its own, and peers' it maps for the same-host direct path) `pid`
+/// maps.
+fn ugdr_tables(pid: i32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .expect("maps")
+        .lines()
+        .filter(|l| l.contains("/memfd:ugdr-table"))
+        .count()
+}
+
+/// UCX keeps what it attached of a peer (its shared-memory FIFOs) until the endpoint is
+/// closed, and ugdr maps each same-host peer's table for the direct path: a long-running
+/// server kept both for every client that ever came and went. (UCX 1.13 itself keeps an ep
+/// that the peer's UCX connected back to until the worker goes, whatever ugdr does: SPDK's
+/// initiators leave their FIFOs so; rping's do not.)
+#[test]
+fn what_ucx_attached_of_peers_that_exited_is_let_go() {
+    let (mut server, p) = persistent_rping_server("debug");
+    let s = server.pid();
+    let before = peers_mappings(s);
+    let tables_before = ugdr_tables(s);
+    // Each client's FIFO and receive buffers are attached while it runs; a killed client's
+    // too. Six clients come and go, every other one killed.
+    for i in 0..6 {
+        if i % 2 == 0 {
+            let out = run(
+                rping_client(&p, "5"),
+                "rping client",
+                Duration::from_secs(60),
+            );
+            assert_success(&out, "rping client");
+        } else {
+            let mut c = Guarded::spawn(rping_client(&p, "100000000"), "rping client to kill");
+            std::thread::sleep(Duration::from_millis(700));
+            c.assert_running();
+            drop(c); // SIGKILL
+        }
+    }
+    // The server notices an exited peer within ~200 ms (it checks their pids).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut attached = peers_mappings(s);
+    let mut tables = ugdr_tables(s);
+    while (attached > before || tables > tables_before) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        attached = peers_mappings(s);
+        tables = ugdr_tables(s);
+    }
+    server.assert_running();
+    let out = server
+        .wait_until(Instant::now())
+        .expect_err("the persistent server runs until killed");
+    assert_eq!(
+        attached,
+        before,
+        "mappings of gone peers still attached in the server (6 clients came and went)\n{}",
+        text(&out)
+    );
+    assert_eq!(
+        tables,
+        tables_before,
+        "the direct-path tables of gone peers are still mapped in the server\n{}",
+        text(&out)
+    );
+    let closed = String::from_utf8_lossy(&out.stderr)
+        .matches("closing the endpoint of a peer that is gone")
+        .count();
+    assert_eq!(closed, 6, "endpoints closed\n{}", text(&out));
 }

@@ -68,6 +68,8 @@ pub struct Engine {
     progress_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// When a peer process on this host was last found gone (`check_local_peers`).
     local_peer_exit: Mutex<Option<Instant>>,
+    /// Failed endpoints replaced in `endpoints` while QPs still used them: closed once unused.
+    retired_endpoints: Mutex<Vec<PeerProcess>>,
 }
 
 /// A connection to another ugdr process, and its pid when it runs on this host (the engine
@@ -214,6 +216,7 @@ impl Engine {
             activity,
             progress_thread: Mutex::new(Some(progress_thread)),
             local_peer_exit: Mutex::new(None),
+            retired_endpoints: Mutex::new(Vec::new()),
         })
     }
 
@@ -340,7 +343,7 @@ impl Engine {
                 .ok()
                 .map(Arc::new)
         });
-        eps.insert(
+        let replaced = eps.insert(
             remote.worker_address.clone(),
             PeerProcess {
                 endpoint: Arc::clone(&ep),
@@ -348,6 +351,12 @@ impl Engine {
                 memory: memory.clone(),
             },
         );
+        if let Some(failed) = replaced {
+            self.retired_endpoints
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(failed);
+        }
         Ok(Peer {
             endpoint: ep,
             qpn: remote_qpn,
@@ -382,6 +391,41 @@ impl Engine {
                     text: "peer process exited".into(),
                 },
             );
+        }
+        self.close_gone_endpoints(locked);
+    }
+
+    /// Closes the endpoints of peers that failed (exited, unreachable) once no QP uses them:
+    /// UCX keeps what it holds for a peer (on this host its shared-memory FIFO and receive
+    /// buffers, ~4 MiB, which the kernel cannot free while they are attached; across hosts
+    /// its socket) until the endpoint is closed, so a long-running process (SPDK's target)
+    /// grew by that much with every initiator that came and went. A failed endpoint QPs
+    /// still name stays until they are destroyed or reset.
+    fn close_gone_endpoints(&self, locked: &LockedWorker<'_>) {
+        let unused = |p: &PeerProcess| Arc::strong_count(&p.endpoint) == 1;
+        let gone: Vec<PeerProcess> = {
+            let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+            let mut gone: Vec<PeerProcess> = eps
+                .extract_if(|_, p| p.endpoint.failed() && unused(p))
+                .map(|(_, p)| p)
+                .collect();
+            let mut retired = self
+                .retired_endpoints
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            gone.extend(retired.extract_if(.., |p| unused(p)));
+            gone
+        };
+        for peer in gone {
+            tracing::debug!(
+                "closing the endpoint of a peer that is gone{}",
+                peer.local_pid
+                    .map_or(String::new(), |pid| format!(" (pid {pid})"))
+            );
+            drop(peer.memory);
+            if let Ok(endpoint) = Arc::try_unwrap(peer.endpoint) {
+                endpoint.close(locked);
+            }
         }
     }
 

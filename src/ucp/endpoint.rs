@@ -6,9 +6,11 @@ use super::worker::{LockedWorker, Worker};
 use crate::sys::{self, ucs};
 use smallvec::SmallVec;
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// Bytes a send carries by value: small ones (inline data, atomic operands and answers) live
 /// in place, without a heap allocation.
@@ -80,10 +82,19 @@ struct EndpointShared {
 /// host skip it to get shared memory and CMA; the engine watches those peers' pids instead.
 pub struct Endpoint {
     handle: NonNull<sys::ucp_ep>,
-    shared: Box<EndpointShared>,
+    /// UCX's error-handler argument: freed only once the ep is closed (`close`); an endpoint
+    /// dropped without closing leaves it (and the ep) allocated, so that UCX never calls back
+    /// into freed memory.
+    shared: ManuallyDrop<Box<EndpointShared>>,
+    closed: bool,
+    /// Created in UCX's peer-failure mode (only such an ep may be closed by force).
+    peer_failure_mode: bool,
     worker: Arc<Worker>,
     trailer: SmallVec<[u8; 16]>,
 }
+
+/// How long [`Endpoint::close`] progresses the worker for UCX to finish closing.
+const CLOSE_WAIT: Duration = Duration::from_millis(100);
 
 /// A header with the endpoint's trailer appended (what UCX sends as the AM header).
 type FullHeader = SmallVec<[u8; 64]>;
@@ -173,8 +184,8 @@ impl Endpoint {
         };
         let mut handle: sys::ucp_ep_h = ptr::null_mut();
         // SAFETY: lock held; `remote` is a packed worker address from a peer (UCX validates
-        // it); the error-handler arg lives in the returned Endpoint's Box, which outlives the ep
-        // (eps are never destroyed while the Endpoint lives).
+        // it); the error-handler arg lives in the returned Endpoint's Box, which is freed only
+        // once the ep is closed (`close`, `Drop`).
         Error::check(unsafe {
             worker
                 .api()
@@ -186,10 +197,66 @@ impl Endpoint {
         let worker_arc = worker_arc(worker);
         Ok(Arc::new(Endpoint {
             handle,
-            shared,
+            shared: ManuallyDrop::new(shared),
+            closed: false,
+            peer_failure_mode,
             worker: worker_arc,
             trailer: SmallVec::from_slice(header_trailer),
         }))
+    }
+
+    /// Closes the endpoint of a peer that is gone, progressing the worker until UCX is done
+    /// with it (at most [`CLOSE_WAIT`]): by force where UCX allows it (peer-failure mode:
+    /// nothing is flushed, pending sends complete with an error), else by flushing (UCX
+    /// refuses to force the others; a flush to a peer that died with sends still pending
+    /// never ends, and such an endpoint is left to UCX). UCX then lets go of what it held for
+    /// the peer (its socket, the shared-memory FIFOs it attached), except, on one host, for an
+    /// ep the peer's UCX connected back to, which UCX 1.13 keeps until the worker goes. Call
+    /// without locks that UCX callbacks take (they may run).
+    pub fn close(mut self, locked: &LockedWorker<'_>) {
+        let api = self.worker.api();
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
+            flags: if self.peer_failure_mode {
+                sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0
+            } else {
+                0
+            },
+            ..Default::default()
+        };
+        // SAFETY: lock held; the ep is this endpoint's alone (`self` is consumed), closed once.
+        let ret = unsafe { api.ucp_ep_close_nbx(self.handle.as_ptr(), &param) };
+        if ucs::ptr_is_err(ret) {
+            // Not closed: UCX keeps the ep, and its error-handler argument stays (Drop).
+            tracing::debug!(
+                "ucx: closing an endpoint failed: {}",
+                Error::from_status(ucs::ptr_status(ret))
+            );
+            return;
+        }
+        // Forced, UCX destroys the ep at once. Flushed, it keeps one whose peer connected back
+        // to it until the worker is destroyed (ucp_ep_disconnected, "to enable remote endpoints
+        // keep sending"): the error-handler argument must outlive it, so it stays allocated.
+        self.closed = self.peer_failure_mode;
+        if !ucs::ptr_is_ptr(ret) {
+            return;
+        }
+        let until = Instant::now() + CLOSE_WAIT;
+        loop {
+            locked.progress();
+            // SAFETY: the request ucp_ep_close_nbx returned, not freed yet.
+            let status = unsafe { api.ucp_request_check_status(ret) };
+            if status != sys::ucs_status_t::UCS_INPROGRESS {
+                break;
+            }
+            if Instant::now() >= until {
+                tracing::debug!("ucx: an endpoint still closing after {CLOSE_WAIT:?}; left to UCX");
+                self.closed = false;
+                break;
+            }
+        }
+        // SAFETY: that request, freed once (UCX releases one still in progress when it ends).
+        unsafe { api.ucp_request_free(ret) };
     }
 
     /// True once the peer was found unreachable.
@@ -457,6 +524,15 @@ fn worker_arc(worker: &Worker) -> Arc<Worker> {
     unsafe {
         Arc::increment_strong_count(raw);
         Arc::from_raw(raw)
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if self.closed {
+            // SAFETY: dropped once, here; UCX is done with the ep, and so with its argument.
+            unsafe { ManuallyDrop::drop(&mut self.shared) };
+        }
     }
 }
 
