@@ -395,12 +395,12 @@ impl Engine {
         self.close_gone_endpoints(locked);
     }
 
-    /// Closes the endpoints of peers that failed (exited, unreachable) once no QP uses them:
-    /// UCX keeps what it holds for a peer (on this host its shared-memory FIFO and receive
-    /// buffers, ~4 MiB, which the kernel cannot free while they are attached; across hosts
-    /// its socket) until the endpoint is closed, so a long-running process (SPDK's target)
-    /// grew by that much with every initiator that came and went. A failed endpoint QPs
-    /// still name stays until they are destroyed or reset.
+    /// Closes the endpoints of peers that failed (exited, unreachable) once no QP uses them,
+    /// and unmaps a same-host peer's direct-path table (~790 KiB of its memfd): a
+    /// long-running process (SPDK's target) kept both for every peer that came and went. UCX
+    /// lets go of what it attached for the peer (its socket, its shared-memory FIFOs) where
+    /// it can (`Endpoint::close`). A failed endpoint that QPs still name stays until they are
+    /// destroyed.
     fn close_gone_endpoints(&self, locked: &LockedWorker<'_>) {
         let unused = |p: &PeerProcess| Arc::strong_count(&p.endpoint) == 1;
         let gone: Vec<PeerProcess> = {

@@ -82,9 +82,9 @@ struct EndpointShared {
 /// host skip it to get shared memory and CMA; the engine watches those peers' pids instead.
 pub struct Endpoint {
     handle: NonNull<sys::ucp_ep>,
-    /// UCX's error-handler argument: freed only once the ep is closed (`close`); an endpoint
-    /// dropped without closing leaves it (and the ep) allocated, so that UCX never calls back
-    /// into freed memory.
+    /// UCX's error-handler argument: freed only once UCX destroyed the ep (a forced `close`);
+    /// otherwise it stays allocated with the ep, so that UCX never calls back into freed
+    /// memory.
     shared: ManuallyDrop<Box<EndpointShared>>,
     closed: bool,
     /// Created in UCX's peer-failure mode (only such an ep may be closed by force).
