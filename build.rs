@@ -37,7 +37,6 @@ const UCX_FUNCTIONS: &[&str] = &[
     "ucp_am_recv_data_nbx",
     "ucp_am_data_release",
     "ucp_request_free",
-    "ucp_request_check_status",
     "ucp_request_cancel",
     "ucs_status_string",
     "ucs_global_opts_set_value",

@@ -10,7 +10,6 @@ use std::mem::ManuallyDrop;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
 
 /// Bytes a send carries by value: small ones (inline data, atomic operands and answers) live
 /// in place, without a heap allocation.
@@ -92,9 +91,6 @@ pub struct Endpoint {
     worker: Arc<Worker>,
     trailer: SmallVec<[u8; 16]>,
 }
-
-/// How long [`Endpoint::close`] progresses the worker for UCX to finish closing.
-const CLOSE_WAIT: Duration = Duration::from_millis(100);
 
 /// A header with the endpoint's trailer appended (what UCX sends as the AM header).
 type FullHeader = SmallVec<[u8; 64]>;
@@ -205,15 +201,15 @@ impl Endpoint {
         }))
     }
 
-    /// Closes the endpoint of a peer that is gone, progressing the worker until UCX is done
-    /// with it (at most [`CLOSE_WAIT`]): by force where UCX allows it (peer-failure mode:
-    /// nothing is flushed, pending sends complete with an error), else by flushing (UCX
-    /// refuses to force the others; a flush to a peer that died with sends still pending
-    /// never ends, and such an endpoint is left to UCX). UCX then lets go of what it held for
-    /// the peer (its socket, the shared-memory FIFOs it attached), except, on one host, for an
-    /// ep the peer's UCX connected back to, which UCX 1.13 keeps until the worker goes. Call
-    /// without locks that UCX callbacks take (they may run).
+    /// Closes the endpoint of a peer that is gone: by force where UCX allows it (peer-failure
+    /// mode: nothing is flushed, pending sends complete with an error, the ep is destroyed in
+    /// the call), else by flushing, which UCX finishes in later progress calls (UCX refuses to
+    /// force the others; a flush to a peer that died with sends pending never ends). UCX then
+    /// lets go of what it held for the peer (its socket, the shared-memory FIFOs it attached),
+    /// except, on one host, for an ep the peer's UCX connected back to, which UCX 1.13 keeps
+    /// until the worker goes. Nothing runs UCX's progress here: no callback runs inside.
     pub fn close(mut self, locked: &LockedWorker<'_>) {
+        let _ = locked;
         let api = self.worker.api();
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
@@ -234,29 +230,14 @@ impl Endpoint {
             );
             return;
         }
-        // Forced, UCX destroys the ep at once. Flushed, it keeps one whose peer connected back
-        // to it until the worker is destroyed (ucp_ep_disconnected, "to enable remote endpoints
-        // keep sending"): the error-handler argument must outlive it, so it stays allocated.
-        self.closed = self.peer_failure_mode;
-        if !ucs::ptr_is_ptr(ret) {
-            return;
+        if ucs::ptr_is_ptr(ret) {
+            // SAFETY: the request ucp_ep_close_nbx returned, freed once: UCX releases it when
+            // the flush ends.
+            unsafe { api.ucp_request_free(ret) };
         }
-        let until = Instant::now() + CLOSE_WAIT;
-        loop {
-            locked.progress();
-            // SAFETY: the request ucp_ep_close_nbx returned, not freed yet.
-            let status = unsafe { api.ucp_request_check_status(ret) };
-            if status != sys::ucs_status_t::UCS_INPROGRESS {
-                break;
-            }
-            if Instant::now() >= until {
-                tracing::debug!("ucx: an endpoint still closing after {CLOSE_WAIT:?}; left to UCX");
-                self.closed = false;
-                break;
-            }
-        }
-        // SAFETY: that request, freed once (UCX releases one still in progress when it ends).
-        unsafe { api.ucp_request_free(ret) };
+        // Forced, UCX destroyed the ep. Flushed, it may keep it (see above), so the
+        // error-handler argument must outlive it: it stays allocated.
+        self.closed = self.peer_failure_mode && !ucs::ptr_is_ptr(ret);
     }
 
     /// True once the peer was found unreachable.
