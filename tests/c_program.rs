@@ -210,9 +210,12 @@ fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_
         let placed = sends_placed(&out);
         if direct == "on" {
             // 5 of the shapes, most of the stream's first 10,000 (after a message, SENDs go as
-            // messages until it is acknowledged), 4 more: logged at powers of two.
+            // messages until it is acknowledged), 4 more: logged at powers of two. A receiver
+            // starved of CPU leaves no receive posted more often, and those SENDs go as
+            // messages: with the whole suite and a busy loop on each of 2 CPUs, 1,910 were
+            // placed once. A path that stopped after the first message would place ~10.
             assert!(
-                placed >= 4096,
+                placed >= 1024,
                 "{what}: {placed} SENDs placed\n{}",
                 tail_of(&out)
             );
