@@ -303,8 +303,8 @@ impl CompletionQueue {
             return n;
         }
         progress();
-        // What progress delivered; the rings were looked at a moment ago, and a SENDs placed
-        // since is found by the next poll (looking twice made each empty poll of a spinning
+        // What progress delivered; the rings were looked at a moment ago, and a SEND placed
+        // since then is found by the next poll (looking twice made each empty poll of a spinning
         // application lock the list of rings twice: ~40% of its time in `ib_send_lat`).
         self.poll_queued(max, sink)
     }

@@ -152,15 +152,8 @@ impl ReceiveFifos {
         version: &str,
         geometry: Option<Geometry>,
     ) -> ReceiveFifos {
-        let none = ReceiveFifos {
-            fifos: Vec::new(),
-            geometry: geometry.unwrap_or(Geometry {
-                slots: 0,
-                slot_size: 0,
-            }),
-        };
         let (Some(geometry), true) = (geometry, layout_known(version)) else {
-            return none;
+            return ReceiveFifos::unwatched();
         };
         // SAFETY: sysconf has no preconditions.
         let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
@@ -184,6 +177,17 @@ impl ReceiveFifos {
             })
             .collect();
         ReceiveFifos { fifos, geometry }
+    }
+
+    /// No FIFO watched (shared memory not used, or sized by the user).
+    pub fn unwatched() -> ReceiveFifos {
+        ReceiveFifos {
+            fifos: Vec::new(),
+            geometry: Geometry {
+                slots: 0,
+                slot_size: 0,
+            },
+        }
     }
 
     /// How many FIFOs are watched.

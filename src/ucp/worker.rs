@@ -201,7 +201,7 @@ impl Worker {
                 &super::ucx_version().unwrap_or_default(),
                 geometry,
             ),
-            None => ReceiveFifos::created_between(&[], &[], "", None),
+            None => ReceiveFifos::unwatched(),
         };
         let handle = NonNull::new(handle)
             .ok_or_else(|| Error::from_status(sys::ucs_status_t::UCS_ERR_NO_MEMORY))?;
