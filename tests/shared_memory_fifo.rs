@@ -47,13 +47,14 @@ fn receive_fifos(pid: i32) -> Vec<(u64, u64)> {
 }
 
 /// Takes the next slot of the FIFO at `base` in (stopped) process `pid`, as a sender does
-/// before it writes: the head moves on, the slot stays unwritten.
+/// before it writes: the head moves on (clearing "event armed", as UCX's compare-and-swap
+/// does; the sender would signal the receiver only after writing), the slot stays unwritten.
 fn take_slot(pid: i32, base: u64, head: u64) {
     let mut mem = std::fs::OpenOptions::new()
         .write(true)
         .open(format!("/proc/{pid}/mem"))
         .expect("/proc/PID/mem for writing");
-    let next = ((head & !HEAD_ARMED) + 1) | (head & HEAD_ARMED);
+    let next = (head & !HEAD_ARMED) + 1;
     mem.seek(SeekFrom::Start(base)).unwrap();
     mem.write_all(&next.to_le_bytes()).unwrap();
 }
