@@ -85,8 +85,8 @@ struct PeerProcess {
 /// (`Engine::mend_receive_fifos`): when a local peer exited, from at most
 /// [`FIFO_SLOT_EXIT_BEFORE`] before the slot was first seen unwritten; else
 /// [`FIFO_SLOT_ABANDONED_ANYWAY`].
-const FIFO_SLOT_ABANDONED: Duration = Duration::from_millis(100);
-const FIFO_SLOT_EXIT_BEFORE: Duration = Duration::from_secs(10);
+const FIFO_SLOT_ABANDONED: Duration = Duration::from_millis(200);
+const FIFO_SLOT_EXIT_BEFORE: Duration = Duration::from_secs(1);
 const FIFO_SLOT_ABANDONED_ANYWAY: Duration = Duration::from_secs(2);
 
 static ENGINE: OnceLock<Result<Engine, EngineError>> = OnceLock::new();
