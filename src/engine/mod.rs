@@ -89,6 +89,10 @@ const FIFO_SLOT_ABANDONED: Duration = Duration::from_millis(200);
 const FIFO_SLOT_EXIT_BEFORE: Duration = Duration::from_secs(1);
 const FIFO_SLOT_ABANDONED_ANYWAY: Duration = Duration::from_secs(2);
 
+/// At most this many progress calls deliver what local peers sent before they exited
+/// (`Engine::check_local_peers`): a FIFO holds 64 messages per transport.
+const EXIT_DRAIN_PROGRESS_MAX: usize = 256;
+
 static ENGINE: OnceLock<Result<Engine, EngineError>> = OnceLock::new();
 
 /// Runs at process exit (registered once, when the engine started): [`Engine::shutdown`].
@@ -382,6 +386,14 @@ impl Engine {
                 .local_peer_exit
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+            // What a peer sent before it exited (an ACK at its exit, its last SEND) may still
+            // wait in this process's FIFO: delivered first, as packets that arrived before a
+            // peer's death are. A dead process sends nothing more, so this ends.
+            for _ in 0..EXIT_DRAIN_PROGRESS_MAX {
+                if locked.progress() == 0 {
+                    break;
+                }
+            }
         }
         for ep in dead {
             ep.mark_failed(
