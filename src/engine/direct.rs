@@ -20,10 +20,10 @@
 //! the lock: once a withdrawal returns, nothing more lands.
 
 use super::Engine;
-pub use crate::shared_memory::{AtomicOp, ReceiveRing};
+pub use crate::shared_memory::{AtomicOp, Placed, ReceiveRing};
 use crate::shared_memory::{
-    Backing, ENTRY_DATA, FILLED_WITH_ACK, FILLED_WITH_IMM, MAX_ENTRIES, MR_SLOTS, PeerBacking,
-    PeerTable, QP_SLOTS, Table, read_process, write_process,
+    Backing, ENTRY_DATA, MAX_ENTRIES, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, QpSlot, Table,
+    read_process, write_process,
 };
 use crate::ucp::AppSpan;
 use rustc_hash::FxBuildHasher;
@@ -446,16 +446,6 @@ pub struct SendToRing<'a> {
     pub dst_qpn: u32,
 }
 
-/// A message a same-host peer placed in a receive WR of this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Placed {
-    pub byte_len: u32,
-    pub imm_data: Option<u32>,
-    pub psn: u32,
-    /// The peer acknowledges this QP's requests up to this PSN.
-    pub ack: Option<u32>,
-}
-
 /// Receive rings in this process, and the most it makes.
 static RECEIVE_RINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 pub const MAX_RECEIVE_RINGS: usize = 256;
@@ -534,8 +524,7 @@ impl OwnReceiveRing {
     /// Whether the next receive WR to complete holds a placed message (no lock needed).
     pub fn arrived(&self) -> bool {
         let i = self.collected.load(Ordering::Relaxed);
-        i < self.posted.load(Ordering::Relaxed)
-            && self.ring.entry(i).filled_as.load(Ordering::Acquire) == i + 1
+        i < self.posted.load(Ordering::Relaxed) && self.ring.is_filled(i)
     }
 
     /// The message placed in the next receive WR to complete, if any; its bytes read into
@@ -546,25 +535,12 @@ impl OwnReceiveRing {
         if i >= self.posted.load(Ordering::Relaxed) {
             return None;
         }
-        let entry = self.ring.entry(i);
-        if entry.filled_as.load(Ordering::Acquire) != i + 1 {
-            return None;
-        }
-        let byte_len = entry.byte_len.load(Ordering::Relaxed);
-        let flags = entry.flags.load(Ordering::Relaxed);
-        let imm_data =
-            (flags & FILLED_WITH_IMM != 0).then(|| entry.imm_data.load(Ordering::Relaxed));
-        let ack = (flags & FILLED_WITH_ACK != 0)
-            .then(|| entry.ack_psn.load(Ordering::Relaxed) & super::wire::PSN_MASK);
-        let psn = entry.psn.load(Ordering::Relaxed) & super::wire::PSN_MASK;
-        let n = (byte_len as usize).min(out.len());
-        self.ring.read_data(i, &mut out[..n]);
+        let placed = self.ring.read_filled(i, out)?;
         self.collected.store(i + 1, Ordering::Relaxed);
         Some(Placed {
-            byte_len,
-            imm_data,
-            psn,
-            ack,
+            psn: placed.psn & super::wire::PSN_MASK,
+            ack: placed.ack.map(|a| a & super::wire::PSN_MASK),
+            ..placed
         })
     }
 
@@ -721,15 +697,9 @@ impl PeerMemory {
         remote_addr: u64,
     ) -> Result<(), Refused> {
         let needed = op.needs();
-        let qp = self.table.qp(qp_slot(dst_qpn));
-        let qp_seq = qp.seq.load(Ordering::SeqCst);
+        let qp = self.connected_slot(dst_qpn, (my_lid, my_qpn))?;
         let pd = qp.pd.load(Ordering::Relaxed);
-        if qp_seq % 2 == 1
-            || qp.qpn.load(Ordering::Relaxed) != dst_qpn
-            || qp.peer_lid.load(Ordering::Relaxed) != u32::from(my_lid)
-            || qp.peer_qpn.load(Ordering::Relaxed) != my_qpn
-            || qp.access.load(Ordering::Relaxed) & needed != needed
-        {
+        if qp.access.load(Ordering::Relaxed) & needed != needed {
             return Err(Refused::NotPublished);
         }
         let mr = self.table.mr(rkey as usize % MR_SLOTS);
@@ -853,15 +823,7 @@ impl PeerMemory {
             dst_qpn,
         }: &SendToRing<'_>,
     ) -> Result<(), Refused> {
-        let qp = self.table.qp(qp_slot(dst_qpn));
-        let qp_seq = qp.seq.load(Ordering::SeqCst);
-        if qp_seq % 2 == 1
-            || qp.qpn.load(Ordering::Relaxed) != dst_qpn
-            || qp.peer_lid.load(Ordering::Relaxed) != u32::from(my_lid)
-            || qp.peer_qpn.load(Ordering::Relaxed) != my_qpn
-        {
-            return Err(Refused::NotPublished);
-        }
+        let qp = self.connected_slot(dst_qpn, (my_lid, my_qpn))?;
         let fd = qp.ring_fd.load(Ordering::Relaxed);
         let ino = qp.ring_ino.load(Ordering::Relaxed);
         if fd < 0 || ino == 0 {
@@ -900,25 +862,37 @@ impl PeerMemory {
         if !ring.take(index) {
             return Err(Refused::Busy);
         }
-        // Taken: it is placed now (the length was checked, so the copy cannot fail).
-        ring.write_data(index, spans)
-            .map_err(|_| Refused::NotPublished)?;
-        entry.byte_len.store(len as u32, Ordering::Relaxed);
-        entry
-            .imm_data
-            .store(imm_data.unwrap_or(0), Ordering::Relaxed);
-        entry.ack_psn.store(ack.unwrap_or(0), Ordering::Relaxed);
-        let with_imm = if imm_data.is_some() {
-            FILLED_WITH_IMM
-        } else {
-            0
+        // Taken: it is placed now (the length was checked, so the copy cannot fail). Only
+        // this QP places in the ring, so the next PSN may follow the fill.
+        let message = Placed {
+            byte_len: len as u32,
+            imm_data,
+            psn,
+            ack,
         };
-        let with_ack = if ack.is_some() { FILLED_WITH_ACK } else { 0 };
-        entry.flags.store(with_imm | with_ack, Ordering::Relaxed);
-        entry.psn.store(psn, Ordering::Relaxed);
+        ring.fill(index, spans, &message)
+            .map_err(|_| Refused::NotPublished)?;
         ring.set_expected_psn(super::wire::psn_add(psn, 1));
-        entry.filled_as.store(index + 1, Ordering::Release);
         Ok(())
+    }
+
+    /// The peer's slot for its QP `dst_qpn`, if it is published (not being changed) and
+    /// connected to this process's QP `me` (port LID, QP number): what every direct access
+    /// checks first.
+    fn connected_slot(
+        &self,
+        dst_qpn: u32,
+        (my_lid, my_qpn): (u16, u32),
+    ) -> Result<&QpSlot, Refused> {
+        let qp = self.table.qp(qp_slot(dst_qpn));
+        if qp.seq.load(Ordering::SeqCst) % 2 == 1
+            || qp.qpn.load(Ordering::Relaxed) != dst_qpn
+            || qp.peer_lid.load(Ordering::Relaxed) != u32::from(my_lid)
+            || qp.peer_qpn.load(Ordering::Relaxed) != my_qpn
+        {
+            return Err(Refused::NotPublished);
+        }
+        Ok(qp)
     }
 
     fn log_counts(&self) {
@@ -976,12 +950,14 @@ mod tests {
     fn place(peer: &ReceiveRing, bytes: &[u8], psn: u32) -> u64 {
         let index = peer.taken();
         assert!(peer.take(index));
-        peer.write_data(index, &[AppSpan::of_owned(bytes)]).unwrap();
-        let entry = peer.entry(index);
-        entry.byte_len.store(bytes.len() as u32, Ordering::Relaxed);
-        entry.psn.store(psn, Ordering::Relaxed);
-        entry.flags.store(0, Ordering::Relaxed);
-        entry.filled_as.store(index + 1, Ordering::Release);
+        let message = Placed {
+            byte_len: bytes.len() as u32,
+            imm_data: None,
+            psn,
+            ack: None,
+        };
+        peer.fill(index, &[AppSpan::of_owned(bytes)], &message)
+            .unwrap();
         index
     }
 

@@ -67,9 +67,19 @@ pub struct EntryHead {
 }
 
 /// The placed message carries immediate data.
-pub const FILLED_WITH_IMM: u32 = 1;
+const FILLED_WITH_IMM: u32 = 1;
 /// The placed message acknowledges the owner's requests up to `ack_psn`.
-pub const FILLED_WITH_ACK: u32 = 2;
+const FILLED_WITH_ACK: u32 = 2;
+
+/// A message placed in a receive WR's entry: its length, immediate data, PSN, and the ACK
+/// it carries of the owner's own requests (as a message's piggybacked ACK).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placed {
+    pub byte_len: u32,
+    pub imm_data: Option<u32>,
+    pub psn: u32,
+    pub ack: Option<u32>,
+}
 
 const HEADER_SIZE: usize = 3 * 64;
 const ENTRY_SIZE: usize = std::mem::size_of::<EntryHead>() + ENTRY_DATA;
@@ -221,9 +231,65 @@ impl ReceiveRing {
         self.posted_cell().store(0, Ordering::SeqCst);
     }
 
+    /// Whether the `index`-th entry holds the message placed for it.
+    pub fn is_filled(&self, index: u64) -> bool {
+        self.entry(index).filled_as.load(Ordering::Acquire) == index + 1
+    }
+
+    /// Places a message in the `index`-th entry, which the caller took ([`ReceiveRing::take`]):
+    /// the bytes of `spans` (at most [`ENTRY_DATA`], else EMSGSIZE and nothing is placed),
+    /// then what describes them, then the mark that it is filled.
+    pub fn fill(&self, index: u64, spans: &[AppSpan], message: &Placed) -> io::Result<()> {
+        self.write_data(index, spans)?;
+        let entry = self.entry(index);
+        entry.byte_len.store(message.byte_len, Ordering::Relaxed);
+        entry
+            .imm_data
+            .store(message.imm_data.unwrap_or(0), Ordering::Relaxed);
+        entry
+            .ack_psn
+            .store(message.ack.unwrap_or(0), Ordering::Relaxed);
+        let with_imm = if message.imm_data.is_some() {
+            FILLED_WITH_IMM
+        } else {
+            0
+        };
+        let with_ack = if message.ack.is_some() {
+            FILLED_WITH_ACK
+        } else {
+            0
+        };
+        entry.flags.store(with_imm | with_ack, Ordering::Relaxed);
+        entry.psn.store(message.psn, Ordering::Relaxed);
+        entry.filled_as.store(index + 1, Ordering::Release);
+        Ok(())
+    }
+
+    /// The message placed in the `index`-th entry, if it is filled, its bytes read into `out`
+    /// (at most `out.len()` of them). Every field is the peer's word: the caller checks the
+    /// length against the receive WR before using the bytes.
+    pub fn read_filled(&self, index: u64, out: &mut [u8]) -> Option<Placed> {
+        if !self.is_filled(index) {
+            return None;
+        }
+        let entry = self.entry(index);
+        let byte_len = entry.byte_len.load(Ordering::Relaxed);
+        let flags = entry.flags.load(Ordering::Relaxed);
+        let placed = Placed {
+            byte_len,
+            imm_data: (flags & FILLED_WITH_IMM != 0)
+                .then(|| entry.imm_data.load(Ordering::Relaxed)),
+            psn: entry.psn.load(Ordering::Relaxed),
+            ack: (flags & FILLED_WITH_ACK != 0).then(|| entry.ack_psn.load(Ordering::Relaxed)),
+        };
+        let n = (byte_len as usize).min(out.len());
+        self.read_data(index, &mut out[..n]);
+        Some(placed)
+    }
+
     /// Copies the bytes of `spans`, in order, into the `index`-th entry (at most
-    /// [`ENTRY_DATA`] in all: the caller checked).
-    pub fn write_data(&self, index: u64, spans: &[AppSpan]) -> io::Result<()> {
+    /// [`ENTRY_DATA`] in all).
+    fn write_data(&self, index: u64, spans: &[AppSpan]) -> io::Result<()> {
         let total: usize = spans.iter().map(AppSpan::len).sum();
         if total > ENTRY_DATA {
             return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
@@ -244,7 +310,7 @@ impl ReceiveRing {
 
     /// Copies the first `out.len()` (at most [`ENTRY_DATA`]) message bytes of the `index`-th
     /// entry into `out`.
-    pub fn read_data(&self, index: u64, out: &mut [u8]) {
+    fn read_data(&self, index: u64, out: &mut [u8]) {
         let n = out.len().min(ENTRY_DATA);
         // SAFETY: the source lies inside the entry's data area (n <= ENTRY_DATA); `out` is a
         // Rust slice of this process, never inside the shared mapping. The peer may be

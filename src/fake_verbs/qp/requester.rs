@@ -12,7 +12,7 @@ use super::queues::{DataMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
 use crate::engine::direct::{self, AtomicOp, DirectAccess};
 use crate::engine::wire::{self, Header, Op};
-use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState};
+use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState, SpanList};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -675,14 +675,8 @@ impl QueuePair {
         // A peer on another host has no shared memory: known before scanning the queue.
         let peer = q.peer.as_ref()?;
         let memory = peer.memory.as_ref()?;
-        if q.sq.iter().any(|e| e.outcome.is_none()) {
-            return None;
-        }
         let lands_here = kind != DirectAccess::Write;
-        let spans = match &req.inline_data {
-            Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
-            None => local_spans_cached(&self.pd, &req.sges, lands_here, keys)?,
-        };
+        let spans = self.direct_spans(q, req, lands_here, keys)?;
         memory
             .access(
                 kind,
@@ -698,6 +692,25 @@ impl QueuePair {
         let seq = wire::psn_prev(q.next_send_seq);
         self.completed_at_post(q, req, seq, length);
         Some(None)
+    }
+
+    /// The local spans of a WR the direct path may carry out now (its inline bytes, or its
+    /// SGEs checked, for local writing when `lands_here`), or None: something posted earlier
+    /// is still on its way as a message, and RC order keeps this WR behind it.
+    fn direct_spans(
+        &self,
+        q: &Queues,
+        req: &SendRequest,
+        lands_here: bool,
+        keys: &mut KeyCache,
+    ) -> Option<SpanList> {
+        if q.sq.iter().any(|e| e.outcome.is_none()) {
+            return None;
+        }
+        match &req.inline_data {
+            Some(bytes) => Some(SmallVec::from_elem(AppSpan::of_owned(bytes), 1)),
+            None => local_spans_cached(&self.pd, &req.sges, lands_here, keys),
+        }
     }
 
     /// A WR the direct path carried out while it was posted: it completes now (in post order
@@ -745,13 +758,7 @@ impl QueuePair {
             .memory
             .as_ref()
             .filter(|m| m.takes_placed_sends(peer.qpn))?;
-        if q.sq.iter().any(|e| e.outcome.is_none()) {
-            return None;
-        }
-        let spans = match &req.inline_data {
-            Some(bytes) => SmallVec::from_elem(AppSpan::of_owned(bytes), 1),
-            None => local_spans_cached(&self.pd, &req.sges, false, keys)?,
-        };
+        let spans = self.direct_spans(q, req, false, keys)?;
         let psn = q.next_send_seq;
         let send = direct::SendToRing {
             spans: &spans,
