@@ -1,7 +1,7 @@
 //! A queue pair's receive ring: the receive WRs its owner posted, one entry each, as its
 //! same-host peer sees them, and the small SENDs that peer places in them (the same-host
-//! SEND path, `engine/direct.rs`). A memfd of fixed layout: a header, two cursors, then
-//! `capacity` entries of [`ENTRY_DATA`] message bytes each. Every field but the message bytes
+//! SEND path, `engine/direct.rs`). A memfd of fixed layout: a header, the peer's cursor,
+//! then `capacity` entries of [`ENTRY_DATA`] message bytes each. Every field but the message bytes
 //! is an atomic, so reading what the other side is changing is defined; what was read is
 //! checked before use (the other process is not trusted with this process's memory safety).
 
@@ -11,8 +11,9 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-/// "ugdrRNG1".
-const MAGIC: u64 = 0x3147_4e52_5244_4755;
+/// "ugdrRNG2" (RNG1 had a count of posted WRs, which every placed SEND read: a cache line
+/// the owner wrote on every post; an entry's `posted_as` says the same).
+const MAGIC: u64 = 0x3247_4e52_5244_4755;
 const NAME: &str = "ugdr-receive-ring";
 
 /// The largest message an entry holds: a SEND up to this size takes the ring.
@@ -26,14 +27,6 @@ struct Header {
     capacity: AtomicU32,
 }
 
-/// Written by the owner only.
-#[repr(C, align(64))]
-struct Posted {
-    /// Receive WRs posted since the ring was (re)set: entry `i % capacity` stands for the
-    /// `i`-th.
-    count: AtomicU64,
-}
-
 /// Advanced by whoever takes the next receive WR: the peer placing a SEND, or the owner
 /// delivering a message that arrived through UCX.
 #[repr(C, align(64))]
@@ -44,11 +37,14 @@ struct Taken {
     expected_psn: AtomicU32,
 }
 
-/// One receive WR as the peer sees it, and the message placed in it.
+/// One receive WR as the peer sees it, and the message placed in it. Entry `i % capacity`
+/// stands for the `i`-th receive WR posted since the ring was (re)set.
 #[repr(C, align(64))]
 pub struct EntryHead {
     /// `i + 1` once the owner posted the `i`-th receive WR here and it may take a placed
-    /// message (0 or another value: it may not; the message goes through UCX).
+    /// message (0 or another value: it may not; the message goes through UCX). Stored with
+    /// Release after `room`: the peer reads nothing else to know the WR is there, so the
+    /// owner's post touches no line a peer reads on every SEND but the entry's own.
     pub posted_as: AtomicU64,
     /// `i + 1` once the peer placed the `i`-th message here (byte length, immediate data and
     /// flags written before).
@@ -81,7 +77,7 @@ pub struct Placed {
     pub ack: Option<u32>,
 }
 
-const HEADER_SIZE: usize = 3 * 64;
+const HEADER_SIZE: usize = 2 * 64;
 const ENTRY_SIZE: usize = std::mem::size_of::<EntryHead>() + ENTRY_DATA;
 
 fn size_for(capacity: u32) -> usize {
@@ -167,14 +163,9 @@ impl ReceiveRing {
         unsafe { &*self.mapping.base().cast::<Header>() }
     }
 
-    fn posted_cell(&self) -> &AtomicU64 {
-        // SAFETY: as `header`; the second 64-byte line of the header area.
-        unsafe { &(*self.mapping.base().add(64).cast::<Posted>()).count }
-    }
-
     fn taken_line(&self) -> &Taken {
-        // SAFETY: as `header`; the third 64-byte line.
-        unsafe { &*self.mapping.base().add(128).cast::<Taken>() }
+        // SAFETY: as `header`; the second 64-byte line.
+        unsafe { &*self.mapping.base().add(64).cast::<Taken>() }
     }
 
     fn taken_cell(&self) -> &AtomicU64 {
@@ -206,14 +197,6 @@ impl ReceiveRing {
         unsafe { &*self.entry_base(index).cast::<EntryHead>() }
     }
 
-    pub fn posted(&self) -> u64 {
-        self.posted_cell().load(Ordering::Acquire)
-    }
-
-    pub fn set_posted(&self, count: u64) {
-        self.posted_cell().store(count, Ordering::Release);
-    }
-
     pub fn taken(&self) -> u64 {
         self.taken_cell().load(Ordering::SeqCst)
     }
@@ -225,10 +208,15 @@ impl ReceiveRing {
             .is_ok()
     }
 
-    /// Starts the ring over (no WR posted or taken): only while no peer may use it.
+    /// Starts the ring over (no WR posted or taken): only while no peer may use it. Every
+    /// entry is cleared, so that none posted before reads as posted again.
     pub fn reset(&self) {
+        for slot in 0..u64::from(self.capacity) {
+            let entry = self.entry(slot);
+            entry.posted_as.store(0, Ordering::Relaxed);
+            entry.filled_as.store(0, Ordering::Relaxed);
+        }
         self.taken_cell().store(0, Ordering::SeqCst);
-        self.posted_cell().store(0, Ordering::SeqCst);
     }
 
     /// Whether the `index`-th entry holds the message placed for it.
@@ -330,11 +318,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn entries_are_whole_cache_lines_and_the_header_three() {
+    fn entries_are_whole_cache_lines_and_the_header_two() {
         assert_eq!(std::mem::size_of::<EntryHead>(), 64);
         assert_eq!(ENTRY_SIZE % 64, 0);
         assert_eq!(std::mem::size_of::<Header>(), 64);
-        assert_eq!(std::mem::size_of::<Posted>(), 64);
         assert_eq!(std::mem::size_of::<Taken>(), 64);
     }
 
@@ -346,8 +333,6 @@ mod tests {
         assert_eq!(peer.capacity(), 4);
         own.entry(5).room.store(64, Ordering::Relaxed);
         own.entry(5).posted_as.store(6, Ordering::Release);
-        own.set_posted(6);
-        assert_eq!(peer.posted(), 6);
         assert_eq!(peer.entry(5).posted_as.load(Ordering::Acquire), 6);
         // Entry 5 is entry 1 of four.
         assert_eq!(peer.entry(1).room.load(Ordering::Relaxed), 64);
