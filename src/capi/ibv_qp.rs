@@ -740,11 +740,12 @@ pub(crate) unsafe extern "C" fn post_send(
             // One WR (most lists): if it completes at post time (the same-host direct path),
             // the worker is not needed, nor waited for while the progress thread holds it.
             // SAFETY: as above; `wr` is not NULL.
-            match unsafe { send_request(wr, &qp_obj.caps, qp_obj.qp_type) }
-                .and_then(|req| qp_obj.post_send_at_once(req))
-            {
-                Ok(None) => return 0,
-                Ok(Some(req)) => Some(Ok(req)),
+            match unsafe { send_request(wr, &qp_obj.caps, qp_obj.qp_type) } {
+                Ok(req) => match qp_obj.post_send_at_once(&req) {
+                    Ok(true) => return 0,
+                    Ok(false) => Some(Ok(req)),
+                    Err(e) => Some(Err(e)),
+                },
                 Err(e) => Some(Err(e)),
             }
         } else {
