@@ -577,6 +577,7 @@ impl AppSge for ibv_sge {
 ///
 /// # Safety
 /// `sg_list` holds `num_sge` readable entries whenever `0 < num_sge <= max`.
+#[inline]
 pub(crate) unsafe fn read_sges<S: AppSge>(
     sg_list: *const S,
     num_sge: c_int,
@@ -637,6 +638,7 @@ unsafe fn ud_destination(
 
 /// # Safety
 /// `wr` points to a valid `ibv_send_wr`.
+#[inline(always)]
 unsafe fn send_request(
     wr: *const ibv_send_wr,
     caps: &QpCaps,
@@ -740,13 +742,12 @@ pub(crate) unsafe extern "C" fn post_send(
             // One WR (most lists): if it completes at post time (the same-host direct path),
             // the worker is not needed, nor waited for while the progress thread holds it.
             // SAFETY: as above; `wr` is not NULL.
-            match unsafe { send_request(wr, &qp_obj.caps, qp_obj.qp_type) } {
-                Ok(req) => match qp_obj.post_send_at_once(&req) {
-                    Ok(true) => return 0,
-                    Ok(false) => Some(Ok(req)),
-                    Err(e) => Some(Err(e)),
-                },
-                Err(e) => Some(Err(e)),
+            let request = unsafe { send_request(wr, &qp_obj.caps, qp_obj.qp_type) };
+            // Looked at in place: moving the request out of the Result copies it.
+            match request.as_ref().map(|req| qp_obj.post_send_at_once(req)) {
+                Ok(Ok(true)) => return 0,
+                Ok(Ok(false)) | Err(_) => Some(request),
+                Ok(Err(e)) => Some(Err(e)),
             }
         } else {
             None
