@@ -500,14 +500,8 @@ impl OwnReceiveRing {
     pub fn post(&self, room: u64, direct: bool) {
         let index = self.posted.load(Ordering::Relaxed);
         self.posted.store(index + 1, Ordering::Relaxed);
-        let entry = self.ring.entry(index);
-        entry.filled_as.store(0, Ordering::Relaxed);
-        entry
-            .room
-            .store(room.min(ENTRY_DATA as u64) as u32, Ordering::Relaxed);
-        entry
-            .posted_as
-            .store(if direct { index + 1 } else { 0 }, Ordering::Release);
+        self.ring
+            .post(index, room.min(ENTRY_DATA as u64) as u32, direct);
     }
 
     /// The PSN the next placed SEND must carry: the QP's expected one (set when the QP
@@ -561,7 +555,7 @@ impl OwnReceiveRing {
     /// The `index`-th receive WR (posted, not yet taken) takes no placed SEND any more.
     pub fn refuse(&self, index: u64) {
         if index < self.posted.load(Ordering::Relaxed) {
-            self.ring.entry(index).posted_as.store(0, Ordering::SeqCst);
+            self.ring.refuse(index);
         }
     }
 
@@ -847,14 +841,11 @@ impl PeerMemory {
             return Err(Refused::NotPublished);
         }
         let len: usize = spans.iter().map(AppSpan::len).sum();
-        // The entry says whether its WR is posted (no count of posted WRs is read: that line
-        // would move between the two processes' caches on every post and every SEND).
+        // The WR's posted slot says whether it is posted (no count of posted WRs is read:
+        // that line would move between the two processes' caches on every post and SEND).
         let index = ring.taken();
-        let entry = ring.entry(index);
-        if entry.posted_as.load(Ordering::Acquire) != index + 1
-            || len > entry.room.load(Ordering::Relaxed) as usize
-            || len > SEND_MAX
-        {
+        let room = ring.posted_room(index).ok_or(Refused::NoReceive)?;
+        if len > room as usize || len > SEND_MAX {
             return Err(Refused::NoReceive);
         }
         if !ring.take(index) {
@@ -966,11 +957,11 @@ mod tests {
         own.post(64, true);
         own.post(64, false); // takes messages only
         own.post(8, true);
-        assert_eq!(peer.entry(0).posted_as.load(Ordering::Acquire), 1);
-        assert_eq!(peer.entry(3).posted_as.load(Ordering::Acquire), 0);
+        assert_eq!(peer.posted_room(0), Some(64));
+        assert_eq!(peer.posted_room(3), None);
         assert_eq!(peer.expected_psn(), 0x10);
-        assert_eq!(peer.entry(1).posted_as.load(Ordering::Relaxed), 0);
-        assert_eq!(peer.entry(2).room.load(Ordering::Relaxed), 8);
+        assert_eq!(peer.posted_room(1), None);
+        assert_eq!(peer.posted_room(2), Some(8));
         assert!(!own.arrived());
         place(&peer, b"first", 0x10);
         assert!(own.arrived());
@@ -988,13 +979,13 @@ mod tests {
         // Refused and skipped WRs.
         own.post(64, true);
         own.refuse(3);
-        assert_eq!(peer.entry(3).posted_as.load(Ordering::Relaxed), 0);
+        assert_eq!(peer.posted_room(3), None);
         own.skip(); // the taken-unfilled one (its peer died): flushed
         assert_eq!(own.collected(), 3);
         own.reset();
         assert_eq!((peer.taken(), own.collected()), (0, 0));
         // Nothing posted before the reset reads as posted after it.
-        assert_eq!(peer.entry(0).posted_as.load(Ordering::Acquire), 0);
+        assert_eq!(peer.posted_room(0), None);
     }
 
     #[test]

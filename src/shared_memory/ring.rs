@@ -1,9 +1,15 @@
-//! A queue pair's receive ring: the receive WRs its owner posted, one entry each, as its
-//! same-host peer sees them, and the small SENDs that peer places in them (the same-host
-//! SEND path, `engine/direct.rs`). A memfd of fixed layout: a header, the peer's cursor,
-//! then `capacity` entries of [`ENTRY_DATA`] message bytes each. Every field but the message bytes
-//! is an atomic, so reading what the other side is changing is defined; what was read is
-//! checked before use (the other process is not trusted with this process's memory safety).
+//! A queue pair's receive ring: the receive WRs its owner posted, as its same-host peer sees
+//! them, and the small SENDs that peer places in them (the same-host SEND path,
+//! `engine/direct.rs`). A memfd of fixed layout: a header, the peer's cursor, one posted slot
+//! per receive WR (written by the owner), then one entry per receive WR (written by the
+//! peer) of [`ENTRY_DATA`] message bytes. Every field but the message bytes is an atomic, so
+//! reading what the other side is changing is defined; what was read is checked before use
+//! (the other process is not trusted with this process's memory safety).
+//!
+//! The two sides write apart: the owner's posts touch only the posted slots (four to a cache
+//! line), the peer's SENDs only the entries, and a message of up to [`HEAD_DATA`] bytes lies
+//! in its entry's first cache line with what describes it. So a placed SEND moves the
+//! entry's line(s) to the owner, and a post one slot line in four to the peer.
 
 use super::{Mapping, file_identity, memfd, open_peer_fd};
 use crate::ucp::AppSpan;
@@ -11,8 +17,8 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-/// "ugdrRNG2" (RNG1 had a count of posted WRs, which every placed SEND read: a cache line
-/// the owner wrote on every post; an entry's `posted_as` says the same).
+/// "ugdrRNG2" (RNG1 kept a count of posted WRs and each WR's room in the peer's entry, lines
+/// the owner wrote on every post and the peer read on every SEND).
 const MAGIC: u64 = 0x3247_4e52_5244_4755;
 const NAME: &str = "ugdr-receive-ring";
 
@@ -37,29 +43,36 @@ struct Taken {
     expected_psn: AtomicU32,
 }
 
-/// One receive WR as the peer sees it, and the message placed in it. Entry `i % capacity`
-/// stands for the `i`-th receive WR posted since the ring was (re)set.
-#[repr(C, align(64))]
+/// One receive WR as the owner posted it. Slot `i % capacity` stands for the `i`-th receive
+/// WR posted since the ring was (re)set. Written by the owner only.
+#[repr(C)]
+struct PostedSlot {
+    /// `i + 1` once the owner posted the `i`-th receive WR and it may take a placed message
+    /// (0 or another value: it may not; the message goes through UCX). Stored with Release
+    /// after `room`.
+    posted_as: AtomicU64,
+    /// The receive WR's room (its SGEs' lengths added up, at most [`ENTRY_DATA`] counted).
+    room: AtomicU32,
+    _pad: u32,
+}
+
+/// The message placed for one receive WR: entry `i % capacity` holds the `i`-th. Written by
+/// the peer only; its message bytes follow it.
+#[repr(C)]
 pub struct EntryHead {
-    /// `i + 1` once the owner posted the `i`-th receive WR here and it may take a placed
-    /// message (0 or another value: it may not; the message goes through UCX). Stored with
-    /// Release after `room`: the peer reads nothing else to know the WR is there, so the
-    /// owner's post touches no line a peer reads on every SEND but the entry's own.
-    pub posted_as: AtomicU64,
     /// `i + 1` once the peer placed the `i`-th message here (byte length, immediate data and
     /// flags written before).
     pub filled_as: AtomicU64,
-    /// The receive WR's room (its SGEs' lengths added up, at most [`ENTRY_DATA`] counted).
-    pub room: AtomicU32,
     pub byte_len: AtomicU32,
     pub imm_data: AtomicU32,
-    /// [`FILLED_WITH_IMM`].
+    /// [`FILLED_WITH_IMM`], [`FILLED_WITH_ACK`].
     pub flags: AtomicU32,
     /// The placed SEND's PSN.
     pub psn: AtomicU32,
     /// With [`FILLED_WITH_ACK`]: the newest PSN of the owner's own requests the peer
     /// acknowledges with this SEND (as a message's piggybacked ACK).
     pub ack_psn: AtomicU32,
+    _pad: u32,
 }
 
 /// The placed message carries immediate data.
@@ -78,10 +91,22 @@ pub struct Placed {
 }
 
 const HEADER_SIZE: usize = 2 * 64;
-const ENTRY_SIZE: usize = std::mem::size_of::<EntryHead>() + ENTRY_DATA;
+const HEAD_SIZE: usize = std::mem::size_of::<EntryHead>();
+/// The message bytes that share the entry's first cache line with its head.
+const HEAD_DATA: usize = 64 - HEAD_SIZE;
+const _: () = assert!(
+    HEAD_DATA >= 8,
+    "an 8-byte message fits its entry's first line"
+);
+/// An entry: its head and data, rounded up to whole cache lines.
+const ENTRY_SIZE: usize = (HEAD_SIZE + ENTRY_DATA).next_multiple_of(64);
+
+fn posted_size(capacity: u32) -> usize {
+    (capacity as usize * std::mem::size_of::<PostedSlot>()).next_multiple_of(64)
+}
 
 fn size_for(capacity: u32) -> usize {
-    HEADER_SIZE + capacity as usize * ENTRY_SIZE
+    HEADER_SIZE + posted_size(capacity) + capacity as usize * ENTRY_SIZE
 }
 
 /// A receive ring mapped in this process: the owner's (made with [`ReceiveRing::create`]) or
@@ -89,6 +114,8 @@ fn size_for(capacity: u32) -> usize {
 pub struct ReceiveRing {
     mapping: Mapping,
     capacity: u32,
+    /// Where the entries start (after the header and the posted slots).
+    entries_at: usize,
     /// The owner's descriptor (None for a peer's ring).
     fd: Option<OwnedFd>,
     ino: u64,
@@ -108,6 +135,7 @@ impl ReceiveRing {
         let ring = ReceiveRing {
             mapping,
             capacity,
+            entries_at: HEADER_SIZE + posted_size(capacity),
             fd: Some(fd),
             ino,
         };
@@ -128,6 +156,7 @@ impl ReceiveRing {
         let mut ring = ReceiveRing {
             mapping,
             capacity: 0,
+            entries_at: 0,
             fd: None,
             ino,
         };
@@ -139,6 +168,7 @@ impl ReceiveRing {
             return Err(io::Error::from_raw_os_error(libc::EPROTO));
         }
         ring.capacity = capacity;
+        ring.entries_at = HEADER_SIZE + posted_size(capacity);
         Ok(ring)
     }
 
@@ -182,19 +212,60 @@ impl ReceiveRing {
         self.taken_line().expected_psn.store(psn, Ordering::Release);
     }
 
+    /// The slot of the `index`-th receive WR: `capacity` is a power of two (checked at
+    /// create/open), so a mask, not a division (a 64-bit `div` costs tens of cycles, several
+    /// times per SEND).
+    fn slot(&self, index: u64) -> usize {
+        (index & u64::from(self.capacity - 1)) as usize
+    }
+
+    fn posted_slot(&self, index: u64) -> &PostedSlot {
+        // SAFETY: `slot < capacity`, and the posted slots follow the header inside the
+        // mapping (`size_for(capacity)` bytes, checked at create/open); 16-byte slots from a
+        // 64-byte boundary are aligned; all atomics; borrowed no longer than the mapping.
+        unsafe {
+            &*self
+                .mapping
+                .base()
+                .add(HEADER_SIZE + self.slot(index) * std::mem::size_of::<PostedSlot>())
+                .cast::<PostedSlot>()
+        }
+    }
+
     fn entry_base(&self, index: u64) -> *mut u8 {
-        let slot = (index % u64::from(self.capacity)) as usize;
+        let at = self.entries_at + self.slot(index) * ENTRY_SIZE;
         // SAFETY: `slot < capacity`, and the mapping is `size_for(capacity)` bytes (checked at
         // create/open): the entry lies inside it.
-        unsafe { self.mapping.base().add(HEADER_SIZE + slot * ENTRY_SIZE) }
+        unsafe { self.mapping.base().add(at) }
     }
 
     /// The head of the entry that stands for the `index`-th receive WR.
     pub fn entry(&self, index: u64) -> &EntryHead {
         // SAFETY: inside the mapping (entry_base), 64-byte aligned (page-aligned base,
-        // 64-byte header lines, entries a multiple of 64 bytes), all atomics; borrowed for no
+        // header, posted slots and entries whole cache lines), all atomics; borrowed for no
         // longer than the mapping lives.
         unsafe { &*self.entry_base(index).cast::<EntryHead>() }
+    }
+
+    /// The owner posts its `index`-th receive WR: `room` bytes, and whether a placed message
+    /// may land in it (`direct`; else the peer leaves it to messages).
+    pub fn post(&self, index: u64, room: u32, direct: bool) {
+        let slot = self.posted_slot(index);
+        slot.room.store(room, Ordering::Relaxed);
+        slot.posted_as
+            .store(if direct { index + 1 } else { 0 }, Ordering::Release);
+    }
+
+    /// The `index`-th receive WR takes no placed message any more.
+    pub fn refuse(&self, index: u64) {
+        self.posted_slot(index).posted_as.store(0, Ordering::SeqCst);
+    }
+
+    /// The room of the `index`-th receive WR, if it is posted and may take a placed message.
+    pub fn posted_room(&self, index: u64) -> Option<u32> {
+        let slot = self.posted_slot(index);
+        (slot.posted_as.load(Ordering::Acquire) == index + 1)
+            .then(|| slot.room.load(Ordering::Relaxed))
     }
 
     pub fn taken(&self) -> u64 {
@@ -211,10 +282,11 @@ impl ReceiveRing {
     /// Starts the ring over (no WR posted or taken): only while no peer may use it. Every
     /// entry is cleared, so that none posted before reads as posted again.
     pub fn reset(&self) {
-        for slot in 0..u64::from(self.capacity) {
-            let entry = self.entry(slot);
-            entry.posted_as.store(0, Ordering::Relaxed);
-            entry.filled_as.store(0, Ordering::Relaxed);
+        for index in 0..u64::from(self.capacity) {
+            self.posted_slot(index)
+                .posted_as
+                .store(0, Ordering::Relaxed);
+            self.entry(index).filled_as.store(0, Ordering::Relaxed);
         }
         self.taken_cell().store(0, Ordering::SeqCst);
     }
@@ -283,7 +355,7 @@ impl ReceiveRing {
             return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
         }
         // SAFETY: the entry's data area follows its head inside the mapping (entry_base).
-        let mut at = unsafe { self.entry_base(index).add(std::mem::size_of::<EntryHead>()) };
+        let mut at = unsafe { self.entry_base(index).add(HEAD_SIZE) };
         for s in spans {
             // SAFETY: `s` is a checked span of registered (or ugdr-owned) memory, valid for
             // reads (AppSpan's contract); the destination lies inside the entry's data area
@@ -305,7 +377,7 @@ impl ReceiveRing {
         // writing these bytes (a misbehaving one): plain bytes, any value is valid.
         unsafe {
             std::ptr::copy_nonoverlapping(
-                self.entry_base(index).add(std::mem::size_of::<EntryHead>()),
+                self.entry_base(index).add(HEAD_SIZE),
                 out.as_mut_ptr(),
                 n,
             );
@@ -318,9 +390,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn entries_are_whole_cache_lines_and_the_header_two() {
-        assert_eq!(std::mem::size_of::<EntryHead>(), 64);
-        assert_eq!(ENTRY_SIZE % 64, 0);
+    fn entries_are_whole_cache_lines_and_a_small_message_shares_its_heads_line() {
+        assert_eq!(std::mem::size_of::<EntryHead>(), 32);
+        assert_eq!(HEAD_DATA, 32);
+        assert_eq!(ENTRY_SIZE, 320);
+        assert_eq!(std::mem::size_of::<PostedSlot>(), 16);
+        assert_eq!(posted_size(1), 64);
+        assert_eq!(posted_size(8), 128);
         assert_eq!(std::mem::size_of::<Header>(), 64);
         assert_eq!(std::mem::size_of::<Taken>(), 64);
     }
@@ -331,11 +407,18 @@ mod tests {
         assert!(ReceiveRing::create(3).is_err());
         let peer = ReceiveRing::open_peer(std::process::id() as i32, own.fd(), own.ino()).unwrap();
         assert_eq!(peer.capacity(), 4);
-        own.entry(5).room.store(64, Ordering::Relaxed);
-        own.entry(5).posted_as.store(6, Ordering::Release);
-        assert_eq!(peer.entry(5).posted_as.load(Ordering::Acquire), 6);
-        // Entry 5 is entry 1 of four.
-        assert_eq!(peer.entry(1).room.load(Ordering::Relaxed), 64);
+        own.post(5, 64, true);
+        assert_eq!(peer.posted_room(5), Some(64));
+        // Slot 5 is slot 1 of four, and stands for the 5th WR only.
+        assert_eq!(peer.posted_room(1), None);
+        assert_eq!(peer.posted_room(9), None);
+        own.post(6, 64, false);
+        assert_eq!(peer.posted_room(6), None, "a WR for messages only");
+        own.refuse(5);
+        assert_eq!(peer.posted_room(5), None);
+        own.post(7, 8, true);
+        own.reset();
+        assert_eq!(peer.posted_room(7), None, "nothing posted before a reset");
         let bytes = *b"hello ring";
         peer.write_data(5, &[AppSpan::of_owned(&bytes)]).unwrap();
         let mut out = [0u8; 10];
