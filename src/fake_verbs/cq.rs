@@ -6,7 +6,6 @@ use super::context::{DeviceContext, EVENT_CQ_ERR};
 use super::event_queue::EventQueue;
 use super::work::{WcStatus, WorkCompletion};
 use crate::engine::direct::OwnReceiveRing;
-use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -351,23 +350,32 @@ impl CompletionQueue {
     /// Has the QPs whose rings hold placed SENDs complete them (without this CQ's locks: a
     /// QP's lock comes before its CQs').
     fn complete_placed(&self) {
-        let mut arrived: SmallVec<[Arc<dyn PlacedArrivals>; 2]> = SmallVec::new();
+        // An empty poll spins through here: it only reads each ring's cursor, and builds
+        // nothing (most CQs have one ring; a second one found is kept in a Vec).
+        let mut first = None;
+        let mut more = Vec::new();
         {
             let sources = self
                 .placed_sources
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            // An empty poll spins through here: it only reads each ring's cursor (the
-            // SmallVec holds two QPs without allocating).
             for (ring, qp) in sources.iter() {
                 if ring.arrived()
                     && let Some(qp) = qp.upgrade()
                 {
-                    arrived.push(qp);
+                    if first.is_none() {
+                        first = Some(qp);
+                    } else {
+                        more.push(qp);
+                    }
                 }
             }
         }
-        for qp in arrived {
+        let Some(first) = first else {
+            return;
+        };
+        first.complete_placed_now();
+        for qp in more {
             qp.complete_placed_now();
         }
     }
