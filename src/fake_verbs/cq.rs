@@ -125,16 +125,7 @@ pub struct CompletionQueue {
     placed_sources: Mutex<Vec<PlacedSource>>,
     /// How many there are (read without the lock on every poll).
     placed_count: AtomicUsize,
-    /// Empty polls in a row, while the CQ has rings (see [`PLACED_POLLS_PER_PROGRESS`]).
-    empty_polls: AtomicUsize,
 }
-
-/// An empty poll of a CQ that has rings of placed SENDs progresses the engine only once in
-/// this many: looking at the rings costs a few loads, a UCX progress call some 600
-/// instructions, and a SEND placed while the poll is in UCX waits for the next one (on one
-/// host `ib_send_lat` spent most of each spin there). What arrives through UCX instead waits
-/// at most this many ring checks more; the progress thread is not involved either way.
-pub const PLACED_POLLS_PER_PROGRESS: usize = 4;
 
 /// A receive queue whose WRs a same-host peer places SENDs in: the QP completes them.
 pub trait PlacedArrivals: Send + Sync {
@@ -182,7 +173,6 @@ impl CompletionQueue {
             events_acked: Condvar::new(),
             placed_sources: Mutex::new(Vec::new()),
             placed_count: AtomicUsize::new(0),
-            empty_polls: AtomicUsize::new(0),
         })
     }
 
@@ -310,15 +300,6 @@ impl CompletionQueue {
         let n = self.poll(max, &mut sink);
         if n > 0 || max == 0 {
             return n;
-        }
-        if self.placed_count.load(Ordering::Relaxed) > 0 {
-            // Counted without a read-modify-write: threads polling one CQ at once may lose a
-            // count, which only moves the next progress call by a poll.
-            let empty = self.empty_polls.load(Ordering::Relaxed) + 1;
-            self.empty_polls.store(empty, Ordering::Relaxed);
-            if !empty.is_multiple_of(PLACED_POLLS_PER_PROGRESS) {
-                return 0;
-            }
         }
         progress();
         // What progress delivered; the rings were looked at a moment ago, and a SEND placed
