@@ -359,9 +359,12 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
             // besides the fd's own, ran slower).
             let mut nonblocking = None;
             let mut is_nonblocking = || *nonblocking.get_or_insert_with(|| events.is_nonblocking());
-            let taken = match events.try_wait() {
-                Ok(None) if !is_nonblocking() => Ok(channel.take_arming_event()),
-                taken => taken,
+            let taken = loop {
+                match events.try_wait() {
+                    Ok(None) if !is_nonblocking() => break Ok(channel.take_arming_event()),
+                    Ok(Some(handle)) if !is_nonblocking() && stale_event(handle) => continue,
+                    taken => break taken,
+                }
             };
             match taken {
                 Ok(Some(handle)) => {
@@ -407,6 +410,14 @@ pub unsafe extern "C-unwind" fn ibv_get_cq_event(
             }
         },
     )
+}
+
+/// Whether the event of CQ `handle` a blocking wait took stands for an arming event no
+/// longer owed ([`CompletionQueue::take_stale_event`]).
+fn stale_event(handle: usize) -> bool {
+    // SAFETY: events carry live CQ shells (a CQ's events are discarded when it is destroyed).
+    unsafe { CqShell::from_raw(handle as *mut ibv_cq_ex) }
+        .is_some_and(|cq| cq.inner.take_stale_event())
 }
 
 #[unsafe(no_mangle)]
