@@ -265,7 +265,7 @@ impl CompletionQueue {
     /// (`ibv_rc_pingpong -t -e` re-arms, polls the completion that woke it, posts its SEND and
     /// polls once more: when the SEND completed in between, its completion was polled there
     /// and the event it fired found an empty CQ, which that program takes for an error —
-    /// one run in six beside two busy loops.)
+    /// between one run in twenty and one in six beside two busy loops.)
     pub fn take_stale_event(&self) -> bool {
         let mut ring = self.ring();
         if !std::mem::take(&mut ring.fired_for_arming) || !ring.entries.is_empty() {
