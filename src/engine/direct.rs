@@ -992,10 +992,17 @@ mod tests {
     fn a_length_the_peer_wrote_beyond_any_entry_reads_no_more_than_the_buffer() {
         let (own, peer) = ring_and_peer(1);
         own.post(64, true);
-        let index = place(&peer, b"x", 0);
-        peer.entry(index)
-            .byte_len
-            .store(u32::MAX, Ordering::Relaxed);
+        // A peer that places one byte and says it placed u32::MAX.
+        let index = peer.taken();
+        assert!(peer.take(index));
+        let lying = Placed {
+            byte_len: u32::MAX,
+            imm_data: None,
+            psn: 0,
+            ack: None,
+        };
+        peer.fill(index, &[AppSpan::of_owned(b"x")], &lying)
+            .unwrap();
         let mut out = [0u8; SEND_MAX];
         let p = own.take_placed(&mut out).unwrap();
         // Reported as written, for the caller to refuse; nothing read past `out`.

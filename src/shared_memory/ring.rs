@@ -59,19 +59,19 @@ struct PostedSlot {
 /// The message placed for one receive WR: entry `i % capacity` holds the `i`-th. Written by
 /// the peer only; its message bytes follow it.
 #[repr(C)]
-pub struct EntryHead {
+struct EntryHead {
     /// `i + 1` once the peer placed the `i`-th message here (byte length, immediate data and
     /// flags written before).
-    pub filled_as: AtomicU64,
-    pub byte_len: AtomicU32,
-    pub imm_data: AtomicU32,
+    filled_as: AtomicU64,
+    byte_len: AtomicU32,
+    imm_data: AtomicU32,
     /// [`FILLED_WITH_IMM`], [`FILLED_WITH_ACK`].
-    pub flags: AtomicU32,
+    flags: AtomicU32,
     /// The placed SEND's PSN.
-    pub psn: AtomicU32,
+    psn: AtomicU32,
     /// With [`FILLED_WITH_ACK`]: the newest PSN of the owner's own requests the peer
     /// acknowledges with this SEND (as a message's piggybacked ACK).
-    pub ack_psn: AtomicU32,
+    ack_psn: AtomicU32,
     _pad: u32,
 }
 
@@ -239,8 +239,9 @@ impl ReceiveRing {
         unsafe { self.mapping.base().add(at) }
     }
 
-    /// The head of the entry that stands for the `index`-th receive WR.
-    pub fn entry(&self, index: u64) -> &EntryHead {
+    /// The head of the entry that stands for the `index`-th receive WR (read and written
+    /// only through `fill`, `read_filled` and `is_filled`: the entry's protocol stays here).
+    fn entry(&self, index: u64) -> &EntryHead {
         // SAFETY: inside the mapping (entry_base), 64-byte aligned (page-aligned base,
         // header, posted slots and entries whole cache lines), all atomics; borrowed for no
         // longer than the mapping lives.

@@ -238,7 +238,9 @@ impl Ucx {
     pub(crate) fn context_options(&self) -> Vec<(&'static CStr, &'static CStr)> {
         let mut options = Vec::new();
         let tls = std::env::var("UCX_TLS").ok();
-        if shared_memory_transports_wanted(tls.as_deref()) && !fifo_element_set_by_user() {
+        if shared_memory_transports_wanted(tls.as_deref())
+            && !fifo_option_set_by_user("FIFO_ELEM_SIZE")
+        {
             options.push((c"MM_FIFO_ELEM_SIZE", SHARED_MEMORY_FIFO_ELEMENT));
         }
         if matches!(self.namespace, Namespace::Own(_))
@@ -358,24 +360,22 @@ fn shared_memory_transports_wanted(tls: Option<&str>) -> bool {
 /// and UCX's default of 64 elements. None where the user sized either, or left shared memory
 /// out of `UCX_TLS`.
 pub(crate) fn shared_memory_fifo_geometry() -> Option<super::fifo::Geometry> {
-    let sized_by_user = ["MM", "POSIX", "SYSV"]
-        .iter()
-        .any(|tl| std::env::var_os(format!("UCX_{tl}_FIFO_SIZE")).is_some());
     let tls = std::env::var("UCX_TLS").ok();
     (shared_memory_transports_wanted(tls.as_deref())
-        && !sized_by_user
-        && !fifo_element_set_by_user())
+        && !fifo_option_set_by_user("FIFO_SIZE")
+        && !fifo_option_set_by_user("FIFO_ELEM_SIZE"))
     .then_some(super::fifo::Geometry {
         slots: SHARED_MEMORY_FIFO_SLOTS,
         slot_size: SHARED_MEMORY_FIFO_ELEMENT_BYTES,
     })
 }
 
-/// Whether the user sized the shared-memory FIFO elements.
-fn fifo_element_set_by_user() -> bool {
+/// Whether the user set the shared-memory FIFO option `option` (`FIFO_SIZE`,
+/// `FIFO_ELEM_SIZE`) for any of UCX's shared-memory transports.
+fn fifo_option_set_by_user(option: &str) -> bool {
     ["MM", "POSIX", "SYSV"]
         .iter()
-        .any(|tl| std::env::var_os(format!("UCX_{tl}_FIFO_ELEM_SIZE")).is_some())
+        .any(|tl| std::env::var_os(format!("UCX_{tl}_{option}")).is_some())
 }
 
 #[cfg(test)]
