@@ -27,10 +27,18 @@
  *   ack      200 times: a 1000-byte SEND whose sender polls only its send CQ until it
  *            completes, answered by a small SEND (placed, carrying the ACK): each completes
  *            within a second (the local ACK timeout is ~4.3 s).
+ *   catchup  three unsignaled 1000-byte SENDs (messages) reach the receiver, which polls them and
+ *            stops itself (SIGSTOP) before its lazy ACK of them leaves; two 16-byte SENDs then
+ *            complete at post: the ring takes them, as its responder delivered everything
+ *            before them, so they acknowledge the three (a sender that waited for that ACK
+ *            first would send them as messages to a stopped process). With UGDR_DIRECT=off
+ *            they complete once the receiver runs again. The receiver gets all five in order.
  * Prints "direct_send: ok". Usage: direct_send */
 #include "verbs_test.h"
 #include <arpa/inet.h>
 #include <inttypes.h>
+#include <signal.h>
+#include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -530,6 +538,74 @@ static void ack_sender(void)
     close_side(&s);
 }
 
+/* ------------------------------------------------------------------------------ catchup */
+
+static int direct_path_on(void)
+{
+    const char *d = getenv("UGDR_DIRECT");
+    return !d || strcmp(d, "off") != 0;
+}
+
+static void catchup_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    for (uint32_t i = 0; i < 5; i++)
+        post_recv_slot(&s, 40 + i, i, SLOT);
+    step('r');
+    for (uint32_t i = 0; i < 3; i++)
+        expect_recv(&s, 40 + i, 1000, 0);
+    /* Delivered, their ACK owed lazily (the SENDs were unsignaled): stop before it leaves.
+     * The sender's waitpid sees the stop. */
+    raise(SIGSTOP);
+    for (uint32_t i = 3; i < 5; i++)
+        expect_recv(&s, 40 + i, 16, 0);
+    expect_cq_empty(s.rcq, "catchup");
+    for (uint32_t i = 0; i < 5; i++)
+        check_bytes(s.buf + (size_t)i * SLOT, i < 3 ? 1000 : 16, 50 + i, "catchup");
+    step('d');
+    close_side(&s);
+}
+
+static void catchup_sender(pid_t receiver)
+{
+    ack_timeout = 20;
+    struct side s;
+    open_side(&s);
+    ack_timeout = 14;
+    await_step('r');
+    for (uint32_t i = 0; i < 5; i++)
+        fill(s.buf + (size_t)i * SLOT, i < 3 ? 1000 : 16, 50 + i);
+    for (uint32_t i = 0; i < 3; i++)
+        post_send(&s, 60 + i, (size_t)i * SLOT, 1000, 0, 0);
+    int status;
+    CHECK(waitpid(receiver, &status, WUNTRACED) == receiver && WIFSTOPPED(status),
+          "the receiver did not stop (status %d)", status);
+    for (uint32_t i = 3; i < 5; i++)
+        post_send(&s, 60 + i, (size_t)i * SLOT, 16, 0, IBV_SEND_SIGNALED);
+    if (direct_path_on()) {
+        /* Placed at post: both completions are there now, with the receiver stopped. */
+        struct ibv_wc wc[3];
+        int n = ibv_poll_cq(s.scq, 3, wc);
+        CHECK(n == 2, "catchup: %d send completions at post, wanted 2 (the receiver is stopped)",
+              n);
+        for (int k = 0; k < 2; k++)
+            CHECK(wc[k].status == IBV_WC_SUCCESS && wc[k].wr_id == 63u + k &&
+                      wc[k].opcode == IBV_WC_SEND && wc[k].wc_flags == 0 &&
+                      wc[k].qp_num == s.qp->qp_num,
+                  "catchup send completion %d: %s wr_id %" PRIu64 " opcode %d flags %u", k,
+                  ibv_wc_status_str(wc[k].status), wc[k].wr_id, wc[k].opcode, wc[k].wc_flags);
+        CHECK(kill(receiver, SIGCONT) == 0, "SIGCONT");
+    } else {
+        CHECK(kill(receiver, SIGCONT) == 0, "SIGCONT");
+        expect_send(&s, 63, IBV_WC_SUCCESS);
+        expect_send(&s, 64, IBV_WC_SUCCESS);
+    }
+    expect_cq_empty(s.scq, "catchup sender");
+    await_step('d');
+    close_side(&s);
+}
+
 int main(void)
 {
     void (*scenario[][2])(void) = {
@@ -547,8 +623,11 @@ int main(void)
     close(is_child ? to_parent[0] : to_parent[1]);
     for (size_t i = 0; i < sizeof scenario / sizeof scenario[0]; i++)
         scenario[i][is_child ? 0 : 1]();
-    if (is_child)
+    if (is_child) {
+        catchup_receiver();
         exit(0);
+    }
+    catchup_sender(child);
     int status;
     CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
           "receiver failed (status %d)", status);

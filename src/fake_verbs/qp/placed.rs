@@ -78,7 +78,7 @@ impl QueuePair {
             }
         };
         let ring = self.receive_ring.get_or_init(|| ring);
-        ring.set_expected_psn(q.expected_seq);
+        ring.set_expected_psn(wire::psn_add(q.last_delivered, 1));
         let posted: Vec<RecvRequest> = q.rq.iter().cloned().collect();
         for wr in &posted {
             self.offer_receive(ring, q, wr);
@@ -221,13 +221,13 @@ impl QueuePair {
         }
     }
 
-    /// A message advanced the sequence from `before` (after the placed SENDs ahead of it
-    /// completed): the next placed SEND follows it.
-    pub(super) fn placed_follow(&self, q: &Queues, before: u32) {
-        if q.expected_seq != before
-            && let Some(ring) = self.receive_ring.get()
-        {
-            ring.set_expected_psn(q.expected_seq);
+    /// Every request up to `delivered` took effect (the responder acknowledges it): a SEND
+    /// the peer places next must follow it. Not the next PSN the responder expects: that one
+    /// moves on past a message waiting for a receive WR, or failing, and a SEND placed then
+    /// would take that message's receive WR, or acknowledge a request that failed.
+    pub(super) fn placed_follow(&self, delivered: u32) {
+        if let Some(ring) = self.receive_ring.get() {
+            ring.set_expected_psn(wire::psn_add(delivered, 1));
         }
     }
 

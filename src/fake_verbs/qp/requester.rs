@@ -705,6 +705,17 @@ impl QueuePair {
         if q.sq.iter().any(|e| e.outcome.is_none()) {
             return None;
         }
+        self.local_spans(req, lands_here, keys)
+    }
+
+    /// A WR's local spans: its inline bytes, or its SGEs checked (for local writing when
+    /// `lands_here`); None when an lkey or range is bad.
+    fn local_spans(
+        &self,
+        req: &SendRequest,
+        lands_here: bool,
+        keys: &mut KeyCache,
+    ) -> Option<SpanList> {
         match &req.inline_data {
             Some(bytes) => Some(SmallVec::from_elem(AppSpan::of_owned(bytes), 1)),
             None => local_spans_cached(&self.pd, &req.sges, lands_here, keys),
@@ -742,10 +753,14 @@ impl QueuePair {
 
     /// The same-host SEND path (docs/design.md): an RC SEND (or SEND_WITH_IMM) of at most
     /// [`direct::SEND_MAX`] bytes to a peer whose receive ring is mapped here is placed in its
-    /// next receive WR now, and completes now, under the same rule as a direct WRITE: nothing
-    /// posted earlier is still on its way as a message. None leaves it to the message path
-    /// (no receive WR posted, or one that takes messages only: the responder's RNR waiting
-    /// and its checks then apply).
+    /// next receive WR now, and completes now. The ring takes it only as the PSN after the
+    /// last request the responder delivered, so nothing posted earlier is still on its way
+    /// (the responder executed all of it, and no request failed there): a placed SEND
+    /// acknowledges every request before it, as an ACK of its PSN would. (Waiting for those
+    /// ACKs instead kept a windowed sender on messages for good once one SEND went as a
+    /// message: one of its window was always unacknowledged.) None leaves it to the message
+    /// path (no receive WR posted, or one that takes messages only, or requests before it not
+    /// yet delivered: the responder's RNR waiting and its checks then apply).
     fn try_direct_send(
         &self,
         q: &mut Queues,
@@ -767,7 +782,7 @@ impl QueuePair {
             .memory
             .as_ref()
             .filter(|m| m.takes_placed_sends(peer.qpn))?;
-        let spans = self.direct_spans(q, req, false, keys)?;
+        let spans = self.local_spans(req, false, keys)?;
         let psn = q.next_send_seq;
         let send = direct::SendToRing {
             spans: &spans,
@@ -782,9 +797,9 @@ impl QueuePair {
         if send.ack.is_some() {
             super::responder::take_owed_ack(q);
         }
-        // Delivered: numbered, and acknowledged at once.
+        // Delivered, after everything before it: numbered, and all of it acknowledged.
         q.next_send_seq = wire::psn_add(psn, 1);
-        q.acked_psn = psn;
+        self.apply_ack(q, psn);
         self.completed_at_post(q, req, psn, length);
         Some(None)
     }

@@ -57,10 +57,7 @@ impl QueuePair {
             if self.complete_placed(q) {
                 self.flush(q);
             }
-            let before = q.expected_seq;
-            let kept = self.on_request_locked(q, h, payload);
-            self.placed_follow(q, before);
-            kept
+            self.on_request_locked(q, h, payload)
         })
     }
 
@@ -482,6 +479,7 @@ impl QueuePair {
         }
         let first = q.ack_owed.is_none();
         q.last_delivered = seq;
+        self.placed_follow(seq);
         q.ack_owed = Some(seq);
         q.acks_unsent += 1;
         let prompt = prompt_ack_after(q.prompt_ack, seq).0;
