@@ -199,8 +199,8 @@ fn sends_placed(out: &std::process::Output) -> u64 {
 /// receives not yet polled;
 /// and that a sender polling only its send CQ gets the ACK a placed SEND carries back (it
 /// waited for its transport timer, ~4.3 s, when only a poll of the receive CQ read the ring);
-/// and that a SEND is placed once the receiver delivered the messages before it, even when
-/// their ACK has not come back (the receiver stops itself first): it completes at post.
+/// and that a direct WRITE and placed SENDs complete at post once the receiver delivered the
+/// messages before them, even when their ACK has not come back (the receiver stops itself).
 /// Run with the path on, where the debug log must count placed SENDs, and off, where it must
 /// count none; the program's checks are the same.
 #[test]
@@ -224,7 +224,7 @@ fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_
         let placed = sends_placed(&out);
         if direct == "on" {
             // 5 of the shapes, most of the stream (after a message, SENDs go as messages until
-            // the receiver delivered it), 2 of catchup: logged at powers of two. A receiver
+            // the receiver delivered it), 40 of catchup: logged at powers of two. A receiver
             // starved of CPU leaves no receive posted more often, and those SENDs go as
             // messages: beside a busy loop on each of 2 CPUs, at least 6,390 were placed in 15
             // runs. A path that stopped after the first message would place ~10 (one that

@@ -816,27 +816,7 @@ impl PeerMemory {
             dst_qpn,
         }: &SendToRing<'_>,
     ) -> Result<(), Refused> {
-        let qp = self.connected_slot(dst_qpn, (my_lid, my_qpn))?;
-        let fd = qp.ring_fd.load(Ordering::Relaxed);
-        let ino = qp.ring_ino.load(Ordering::Relaxed);
-        if fd < 0 || ino == 0 {
-            return Err(Refused::NotPublished);
-        }
-        if cache.as_ref().is_none_or(|r| r.ino() != ino) {
-            if self.rings_unreachable.load(Ordering::Relaxed) {
-                return Err(Refused::Unreachable);
-            }
-            let r = ReceiveRing::open_peer(self.pid, fd, ino).map_err(|e| {
-                tracing::debug!("cannot map a receive ring of pid {}: {e}", self.pid);
-                self.rings_unreachable.store(true, Ordering::Relaxed);
-                Refused::Unreachable
-            })?;
-            *cache = Some(Arc::new(r));
-        }
-        // Borrowed, not cloned: two atomic read-modify-writes fewer per SEND.
-        let Some(ring) = cache.as_deref() else {
-            return Err(Refused::Unreachable);
-        };
+        let ring = self.connected_ring(cache, dst_qpn, (my_lid, my_qpn))?;
         if ring.expected_psn() != psn {
             return Err(Refused::NotPublished);
         }
@@ -863,6 +843,49 @@ impl PeerMemory {
             .map_err(|_| Refused::NotPublished)?;
         ring.set_expected_psn(super::wire::psn_add(psn, 1));
         Ok(())
+    }
+
+    /// The receive ring of the peer's QP `dst_qpn`, if that QP is connected to this process's
+    /// QP `me` (see [`Self::connected_slot`]) and publishes one, mapped here once and kept in
+    /// `cache` (borrowed, not cloned: two atomic read-modify-writes fewer per SEND).
+    fn connected_ring<'c>(
+        &self,
+        cache: &'c mut Option<Arc<ReceiveRing>>,
+        dst_qpn: u32,
+        me: (u16, u32),
+    ) -> Result<&'c ReceiveRing, Refused> {
+        let qp = self.connected_slot(dst_qpn, me)?;
+        let fd = qp.ring_fd.load(Ordering::Relaxed);
+        let ino = qp.ring_ino.load(Ordering::Relaxed);
+        if fd < 0 || ino == 0 {
+            return Err(Refused::NotPublished);
+        }
+        if cache.as_ref().is_none_or(|r| r.ino() != ino) {
+            if self.rings_unreachable.load(Ordering::Relaxed) {
+                return Err(Refused::Unreachable);
+            }
+            let r = ReceiveRing::open_peer(self.pid, fd, ino).map_err(|e| {
+                tracing::debug!("cannot map a receive ring of pid {}: {e}", self.pid);
+                self.rings_unreachable.store(true, Ordering::Relaxed);
+                Refused::Unreachable
+            })?;
+            *cache = Some(Arc::new(r));
+        }
+        cache.as_deref().ok_or(Refused::Unreachable)
+    }
+
+    /// Whether the responder of the peer's QP `dst_qpn` (connected to this process's QP `me`,
+    /// with a receive ring) delivered every request before `psn`: they all took effect there,
+    /// as an ACK of `psn`'s predecessor would say. False when it cannot tell (no ring).
+    pub fn delivered_before(
+        &self,
+        cache: &mut Option<Arc<ReceiveRing>>,
+        dst_qpn: u32,
+        me: (u16, u32),
+        psn: u32,
+    ) -> bool {
+        self.connected_ring(cache, dst_qpn, me)
+            .is_ok_and(|ring| ring.expected_psn() == psn)
     }
 
     /// The peer's slot for its QP `dst_qpn`, if it is published (not being changed) and

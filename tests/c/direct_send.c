@@ -27,12 +27,14 @@
  *   ack      200 times: a 1000-byte SEND whose sender polls only its send CQ until it
  *            completes, answered by a small SEND (placed, carrying the ACK): each completes
  *            within a second (the local ACK timeout is ~4.3 s).
- *   catchup  three unsignaled 1000-byte SENDs (messages) reach the receiver, which polls them and
- *            stops itself (SIGSTOP) before its lazy ACK of them leaves; two 16-byte SENDs then
- *            complete at post: the ring takes them, as its responder delivered everything
- *            before them, so they acknowledge the three (a sender that waited for that ACK
- *            first would send them as messages to a stopped process). With UGDR_DIRECT=off
- *            they complete once the receiver runs again. The receiver gets all five in order.
+ *   catchup  20 rounds: three unsignaled 1000-byte SENDs (messages) reach the receiver, which
+ *            polls them and stops itself (SIGSTOP), in most rounds before its ACK of them
+ *            leaves (it goes once the receiver runs out of work); a 64-byte RDMA WRITE
+ *            and two 16-byte SENDs then complete at post: the receiver's ring says its
+ *            responder delivered everything before them, which acknowledges the three (a
+ *            sender that waited for that ACK first would send them as messages to a stopped
+ *            process). With UGDR_DIRECT=off they complete once the receiver runs again. The
+ *            receiver gets the five SENDs in order, and the WRITE's bytes.
  * Prints "direct_send: ok". Usage: direct_send */
 #include "verbs_test.h"
 #include <arpa/inet.h>
@@ -46,11 +48,13 @@
 #define WINDOW 64
 #define POSTED 128
 #define SLOT 1024
+#define CATCHUP_ROUNDS 20
 
 static int to_child[2], to_parent[2];
 static int is_child;
-/* The local ACK timeout the next open_side gives its QP. */
+/* The local ACK timeout and the remote access the next open_side gives its QP. */
 static uint8_t ack_timeout = 14;
+static int qp_access;
 
 static void put(const void *p, size_t n)
 {
@@ -120,7 +124,7 @@ static void open_side(struct side *s)
     get(peer, sizeof peer);
     s->peer_lid = peer[0];
     s->peer_qpn = peer[1];
-    to_rts_with_timeout(s->qp, s->peer_lid, s->peer_qpn, 0, ack_timeout);
+    to_rts_with_timeout(s->qp, s->peer_lid, s->peer_qpn, qp_access, ack_timeout);
 }
 
 static void close_side(struct side *s)
@@ -549,21 +553,39 @@ static int direct_path_on(void)
 static void catchup_receiver(void)
 {
     struct side s;
+    qp_access = IBV_ACCESS_REMOTE_WRITE;
     open_side(&s);
-    for (uint32_t i = 0; i < 5; i++)
-        post_recv_slot(&s, 40 + i, i, SLOT);
-    step('r');
-    for (uint32_t i = 0; i < 3; i++)
-        expect_recv(&s, 40 + i, 1000, 0);
-    /* Delivered, their ACK owed lazily (the SENDs were unsignaled): stop before it leaves.
-     * The sender's waitpid sees the stop. */
-    raise(SIGSTOP);
-    for (uint32_t i = 3; i < 5; i++)
-        expect_recv(&s, 40 + i, 16, 0);
-    expect_cq_empty(s.rcq, "catchup");
-    for (uint32_t i = 0; i < 5; i++)
-        check_bytes(s.buf + (size_t)i * SLOT, i < 3 ? 1000 : 16, 50 + i, "catchup");
+    qp_access = 0;
+    char *target = calloc(1, 4096);
+    struct ibv_mr *mr = ibv_reg_mr(s.pd, target, 4096,
+                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    CHECK(target && mr, "reg_mr for the WRITE");
+    uint64_t where[2] = { (uintptr_t)target, mr->rkey };
+    put(where, sizeof where);
+    for (uint32_t round = 0; round < CATCHUP_ROUNDS; round++) {
+        uint64_t id = 100 * round;
+        memset(s.buf, 0, 5 * SLOT);
+        memset(target, 0, 4096);
+        for (uint32_t i = 0; i < 5; i++)
+            post_recv_slot(&s, id + 40 + i, i, SLOT);
+        step('r');
+        for (uint32_t i = 0; i < 3; i++)
+            expect_recv(&s, id + 40 + i, 1000, 0);
+        /* Delivered, and their ACK not yet sent, most rounds: stop before it leaves. The
+         * sender's waitpid sees the stop. */
+        raise(SIGSTOP);
+        for (uint32_t i = 3; i < 5; i++)
+            expect_recv(&s, id + 40 + i, 16, 0);
+        expect_cq_empty(s.rcq, "catchup");
+        for (uint32_t i = 0; i < 5; i++)
+            check_bytes(s.buf + (size_t)i * SLOT, i < 3 ? 1000 : 16, round + 50 + i, "catchup");
+        check_bytes(target, 64, round + 70, "catchup WRITE");
+        CHECK(target[64] == 0, "the catchup WRITE wrote past its length");
+        step('n');
+    }
     step('d');
+    CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
+    free(target);
     close_side(&s);
 }
 
@@ -573,35 +595,59 @@ static void catchup_sender(pid_t receiver)
     struct side s;
     open_side(&s);
     ack_timeout = 14;
-    await_step('r');
-    for (uint32_t i = 0; i < 5; i++)
-        fill(s.buf + (size_t)i * SLOT, i < 3 ? 1000 : 16, 50 + i);
-    for (uint32_t i = 0; i < 3; i++)
-        post_send(&s, 60 + i, (size_t)i * SLOT, 1000, 0, 0);
-    int status;
-    CHECK(waitpid(receiver, &status, WUNTRACED) == receiver && WIFSTOPPED(status),
-          "the receiver did not stop (status %d)", status);
-    for (uint32_t i = 3; i < 5; i++)
-        post_send(&s, 60 + i, (size_t)i * SLOT, 16, 0, IBV_SEND_SIGNALED);
-    if (direct_path_on()) {
-        /* Placed at post: both completions are there now, with the receiver stopped. */
-        struct ibv_wc wc[3];
-        int n = ibv_poll_cq(s.scq, 3, wc);
-        CHECK(n == 2, "catchup: %d send completions at post, wanted 2 (the receiver is stopped)",
-              n);
-        for (int k = 0; k < 2; k++)
-            CHECK(wc[k].status == IBV_WC_SUCCESS && wc[k].wr_id == 63u + k &&
-                      wc[k].opcode == IBV_WC_SEND && wc[k].wc_flags == 0 &&
-                      wc[k].qp_num == s.qp->qp_num,
-                  "catchup send completion %d: %s wr_id %" PRIu64 " opcode %d flags %u", k,
-                  ibv_wc_status_str(wc[k].status), wc[k].wr_id, wc[k].opcode, wc[k].wc_flags);
-        CHECK(kill(receiver, SIGCONT) == 0, "SIGCONT");
-    } else {
-        CHECK(kill(receiver, SIGCONT) == 0, "SIGCONT");
-        expect_send(&s, 63, IBV_WC_SUCCESS);
-        expect_send(&s, 64, IBV_WC_SUCCESS);
+    uint64_t where[2];
+    get(where, sizeof where);
+    for (uint32_t round = 0; round < CATCHUP_ROUNDS; round++) {
+        uint64_t id = 100 * round;
+        for (uint32_t i = 0; i < 5; i++)
+            fill(s.buf + (size_t)i * SLOT, i < 3 ? 1000 : 16, round + 50 + i);
+        fill(s.buf + 8 * SLOT, 64, round + 70);
+        await_step('r');
+        for (uint32_t i = 0; i < 3; i++)
+            post_send(&s, id + 60 + i, (size_t)i * SLOT, 1000, 0, 0);
+        int status;
+        CHECK(waitpid(receiver, &status, WUNTRACED) == receiver && WIFSTOPPED(status),
+              "the receiver did not stop (status %d)", status);
+        struct ibv_sge sge = { .addr = (uintptr_t)s.buf + 8 * SLOT, .length = 64,
+                               .lkey = s.mr->lkey };
+        struct ibv_send_wr write = { .wr_id = id + 65, .sg_list = &sge, .num_sge = 1,
+                                     .opcode = IBV_WR_RDMA_WRITE,
+                                     .send_flags = IBV_SEND_SIGNALED,
+                                     .wr.rdma = { .remote_addr = where[0],
+                                                  .rkey = (uint32_t)where[1] } }, *bad;
+        CHECK(ibv_post_send(s.qp, &write, &bad) == 0, "post the catchup WRITE");
+        for (uint32_t i = 3; i < 5; i++)
+            post_send(&s, id + 60 + i, (size_t)i * SLOT, 16, 0, IBV_SEND_SIGNALED);
+        const uint64_t order[] = { id + 65, id + 63, id + 64 };
+        struct ibv_wc wc[4];
+        int n = 0;
+        if (direct_path_on()) {
+            /* Carried out at post: the three completions are there now, the receiver
+             * stopped. */
+            n = ibv_poll_cq(s.scq, 4, wc);
+            CHECK(n == 3,
+                  "catchup round %u: %d send completions at post, wanted 3 (the receiver is "
+                  "stopped)",
+                  round, n);
+            CHECK(kill(receiver, SIGCONT) == 0, "SIGCONT");
+        } else {
+            CHECK(kill(receiver, SIGCONT) == 0, "SIGCONT");
+            for (; n < 3; n++)
+                CHECK(poll_one(s.scq, &wc[n]) == 1, "catchup round %u: no completion %d", round,
+                      n);
+        }
+        for (int k = 0; k < 3; k++)
+            CHECK(wc[k].status == IBV_WC_SUCCESS && wc[k].wr_id == order[k] &&
+                      wc[k].opcode == (k == 0 ? IBV_WC_RDMA_WRITE : IBV_WC_SEND) &&
+                      wc[k].wc_flags == 0 && wc[k].qp_num == s.qp->qp_num &&
+                      (k > 0 || wc[k].byte_len == 64),
+                  "catchup round %u, completion %d: %s wr_id %" PRIu64 " opcode %d flags %u "
+                  "len %u",
+                  round, k, ibv_wc_status_str(wc[k].status), wc[k].wr_id, wc[k].opcode,
+                  wc[k].wc_flags, wc[k].byte_len);
+        expect_cq_empty(s.scq, "catchup sender");
+        await_step('n');
     }
-    expect_cq_empty(s.scq, "catchup sender");
     await_step('d');
     close_side(&s);
 }

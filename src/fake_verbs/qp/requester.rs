@@ -671,11 +671,12 @@ impl QueuePair {
             return None;
         }
         // A peer on another host has no shared memory: known before scanning the queue.
-        let peer = q.peer.as_ref()?;
-        let memory = peer.memory.as_ref()?;
+        q.peer.as_ref()?.memory.as_ref()?;
         let lands_here = kind != DirectAccess::Write;
         let spans = self.direct_spans(q, req, lands_here, keys)?;
-        memory
+        let peer = q.peer.as_ref()?;
+        peer.memory
+            .as_ref()?
             .access(
                 kind,
                 &spans,
@@ -697,15 +698,42 @@ impl QueuePair {
     /// is still on its way as a message, and RC order keeps this WR behind it.
     fn direct_spans(
         &self,
-        q: &Queues,
+        q: &mut Queues,
         req: &SendRequest,
         lands_here: bool,
         keys: &mut KeyCache,
     ) -> Option<SpanList> {
-        if q.sq.iter().any(|e| e.outcome.is_none()) {
+        if !self.nothing_on_its_way(q) {
             return None;
         }
         self.local_spans(req, lands_here, keys)
+    }
+
+    /// Whether every request posted so far took effect at the responder: none is waiting for
+    /// its ACK, or (only SENDs and WRITEs wait, no READ or atomic, whose answer is still to
+    /// come) the peer's receive ring says its responder delivered them all, which then
+    /// acknowledges them. So a window of WRITEs behind a SEND that went as a message goes
+    /// direct again once the responder took that SEND, not only once its ACK came back.
+    fn nothing_on_its_way(&self, q: &mut Queues) -> bool {
+        let mut waiting = q.sq.iter().filter(|e| e.outcome.is_none()).peekable();
+        if waiting.peek().is_none() {
+            return true;
+        }
+        if waiting.any(|e| e.response_into.is_some() || e.pulling) {
+            return false;
+        }
+        let Some(peer) = q.peer.as_ref() else {
+            return false;
+        };
+        let Some(memory) = peer.memory.as_ref() else {
+            return false;
+        };
+        let me = (self.local_lid, self.qp_num);
+        if !memory.delivered_before(&mut q.peer_ring, peer.qpn, me, q.next_send_seq) {
+            return false;
+        }
+        self.apply_ack(q, wire::psn_prev(q.next_send_seq));
+        true
     }
 
     /// A WR's local spans: its inline bytes, or its SGEs checked (for local writing when
