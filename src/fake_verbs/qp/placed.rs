@@ -221,8 +221,11 @@ impl QueuePair {
         }
     }
 
-    /// Every request up to `delivered` took effect (the responder acknowledges it): a SEND
-    /// the peer places next must follow it. Not the next PSN the responder expects: that one
+    /// Every request up to `delivered` took effect (the responder is about to acknowledge
+    /// it): a SEND the peer places next must follow it. Called before the completions of those
+    /// requests are visible, so that an application that saw the last one (and, say, stops)
+    /// finds the peer free to place the next SEND. The peer's placed SEND completes here only
+    /// under this QP's lock, after them. Not the next PSN the responder expects: that one
     /// moves on past a message waiting for a receive WR, or failing, and a SEND placed then
     /// would take that message's receive WR, or acknowledge a request that failed.
     pub(super) fn placed_follow(&self, delivered: u32) {

@@ -289,6 +289,16 @@ impl QueuePair {
     /// Completes requests whose effects are in place, in order: receive completions, READ and
     /// atomic answers, and the acknowledgement of the last one.
     pub(super) fn release_landed(&self, q: &mut Queues) {
+        if q.state != QpState::Err
+            && let Some(seq) = q
+                .landing
+                .iter()
+                .take_while(|l| l.landed)
+                .last()
+                .map(|l| l.seq)
+        {
+            self.placed_follow(seq);
+        }
         let mut last = None;
         while q.landing.front().is_some_and(|l| l.landed) {
             let l = q.landing.pop_front().expect("checked");
@@ -334,6 +344,9 @@ impl QueuePair {
         if q.landing.is_empty() {
             // Nothing lands before it (the common case): what release_landed would do with it
             // alone in the queue, without queueing it.
+            if q.state != QpState::Err {
+                self.placed_follow(seq);
+            }
             if let Some(wc) = wc {
                 self.push_receive(wc, solicited);
             }

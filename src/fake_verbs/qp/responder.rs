@@ -479,7 +479,6 @@ impl QueuePair {
         }
         let first = q.ack_owed.is_none();
         q.last_delivered = seq;
-        self.placed_follow(seq);
         q.ack_owed = Some(seq);
         q.acks_unsent += 1;
         let prompt = prompt_ack_after(q.prompt_ack, seq).0;
