@@ -578,9 +578,12 @@ mod tests {
         let me = std::process::id();
         let entry = |pid: u32| format!("ugdr-mcast1 {pid} ff00 abcd\n");
         let mine = d.claim(6, &worker(1), &PROOF).unwrap();
-        let gone = (6u16 << 8) | 200;
-        let unheld_live_pid = (6u16 << 8) | 201;
-        let foreign = (6u16 << 8) | 202;
+        // Far from the slots the claims below take (the ones after `mine`'s, which depends
+        // on the pid): a claim removes the groups of the slot it takes.
+        let away = |k: u16| (6u16 << 8) | ((((mine.lid & 0xff) - 1 + k) % 255) + 1);
+        let gone = away(100);
+        let unheld_live_pid = away(101);
+        let foreign = away(102);
         fs::write(d.group_path(mine.lid), entry(me)).unwrap();
         fs::write(d.group_path(gone), entry(2147483646)).unwrap();
         fs::write(d.lid_path(gone), "ugdr2 2147483646 0120 abcd\n").unwrap();
