@@ -473,8 +473,9 @@ impl QueuePair {
             // XRC_SEND QP owes no ACK to piggyback (it executes no request).
             header.set_xrc_srqn(req.xrc_srqn);
         }
-        // Toward a same-host peer that takes placed SENDs, what follows a message goes as a
-        // message too until it is acknowledged: its ACK is wanted now.
+        // Toward a same-host peer that takes placed SENDs, a message's ACK is wanted now: the
+        // direct path behind it goes on once the peer's ring shows it delivered, without the
+        // ACK, but its send-queue slot is freed only by an ACK or a later direct WR.
         let reopens_direct = q.peer.as_ref().is_some_and(|p| {
             p.memory
                 .as_ref()
@@ -639,9 +640,9 @@ impl QueuePair {
 
     /// The same-host direct path (docs/design.md): an RC WRITE (without immediate) or READ to
     /// a peer whose memory is mapped here is copied now, and completes now. Taken only when
-    /// nothing posted earlier is still on its way as a message, so nothing overtakes what the
-    /// responder must see first; None leaves the WR to the message path (which then gives the
-    /// authoritative outcome of anything the direct checks refused).
+    /// nothing posted earlier is still on its way (`nothing_on_its_way`), so nothing overtakes
+    /// what the responder must see first; None leaves the WR to the message path (which then
+    /// gives the authoritative outcome of anything the direct checks refused).
     fn try_direct(
         &self,
         q: &mut Queues,
