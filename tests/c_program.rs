@@ -199,8 +199,9 @@ fn sends_placed(out: &std::process::Output) -> u64 {
 /// receives not yet polled;
 /// and that a sender polling only its send CQ gets the ACK a placed SEND carries back (it
 /// waited for its transport timer, ~4.3 s, when only a poll of the receive CQ read the ring);
-/// and that a direct WRITE and placed SENDs complete at post once the receiver delivered the
-/// messages before them, even when their ACK has not come back (the receiver stops itself).
+/// that a direct WRITE and placed SENDs complete at post once the receiver delivered the
+/// messages before them, even when their ACK has not come back (the receiver stops itself);
+/// and that a SEND behind a WRITE the responder refuses is flushed and reaches nothing.
 /// Run with the path on, where the debug log must count placed SENDs, and off, where it must
 /// count none; the program's checks are the same.
 #[test]

@@ -35,6 +35,11 @@
  *            sender that waited for that ACK first would send them as messages to a stopped
  *            process). With UGDR_DIRECT=off they complete once the receiver runs again. The
  *            receiver gets the five SENDs in order, and the WRITE's bytes.
+ *   refused  an RDMA WRITE with a key the receiver's MR does not grant, then at once a 16-byte
+ *            SEND: the WRITE fails at the responder (REM_ACCESS_ERR), the SEND is flushed, and
+ *            nothing reaches the receiver: its two posted receives are flushed, their buffers
+ *            untouched, and it gets IBV_EVENT_QP_ACCESS_ERR: nothing behind a request that
+ *            failed at the responder reaches it, whichever path it would take.
  * Prints "direct_send: ok". Usage: direct_send */
 #include "verbs_test.h"
 #include <arpa/inet.h>
@@ -652,13 +657,68 @@ static void catchup_sender(pid_t receiver)
     close_side(&s);
 }
 
+/* ------------------------------------------------------------------------------ refused */
+
+static void refused_receiver(void)
+{
+    struct side s;
+    qp_access = IBV_ACCESS_REMOTE_WRITE;
+    open_side(&s);
+    qp_access = 0;
+    /* Registered for local writing only: a WRITE naming it is refused by the responder. */
+    uint64_t where[2] = { (uintptr_t)s.buf + 8 * SLOT, s.mr->rkey };
+    put(where, sizeof where);
+    memset(s.buf, 0xee, 10 * SLOT);
+    for (uint32_t i = 0; i < 2; i++)
+        post_recv_slot(&s, 80 + i, i, SLOT);
+    step('r');
+    struct ibv_async_event ev;
+    CHECK(ibv_get_async_event(s.ctx, &ev) == 0, "async event");
+    CHECK(ev.event_type == IBV_EVENT_QP_ACCESS_ERR && ev.element.qp == s.qp,
+          "async event %d, wanted IBV_EVENT_QP_ACCESS_ERR on the QP", ev.event_type);
+    ibv_ack_async_event(&ev);
+    expect_recv_status(&s, 80, IBV_WC_WR_FLUSH_ERR);
+    expect_recv_status(&s, 81, IBV_WC_WR_FLUSH_ERR);
+    expect_cq_empty(s.rcq, "refused");
+    for (size_t k = 0; k < 10 * SLOT; k++)
+        CHECK((unsigned char)s.buf[k] == 0xee, "refused: byte %zu of the buffer changed", k);
+    step('d');
+    close_side(&s);
+}
+
+static void refused_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    uint64_t where[2];
+    get(where, sizeof where);
+    await_step('r');
+    fill(s.buf, 64, 90);
+    fill(s.buf + SLOT, 16, 91);
+    struct ibv_sge sge = { .addr = (uintptr_t)s.buf, .length = 64, .lkey = s.mr->lkey };
+    struct ibv_send_wr write = { .wr_id = 85, .sg_list = &sge, .num_sge = 1,
+                                 .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED,
+                                 .wr.rdma = { .remote_addr = where[0],
+                                              .rkey = (uint32_t)where[1] } }, *bad;
+    CHECK(ibv_post_send(s.qp, &write, &bad) == 0, "post the refused WRITE");
+    post_send(&s, 86, SLOT, 16, 0, IBV_SEND_SIGNALED);
+    struct ibv_wc wc;
+    CHECK(poll_one(s.scq, &wc) == 1 && wc.wr_id == 85 && wc.status == IBV_WC_REM_ACCESS_ERR &&
+              wc.qp_num == s.qp->qp_num,
+          "refused WRITE: wr_id %" PRIu64 " %s", wc.wr_id, ibv_wc_status_str(wc.status));
+    expect_send(&s, 86, IBV_WC_WR_FLUSH_ERR);
+    expect_cq_empty(s.scq, "refused sender");
+    await_step('d');
+    close_side(&s);
+}
+
 int main(void)
 {
     void (*scenario[][2])(void) = {
         { shapes_receiver, shapes_sender },   { stream_receiver, stream_sender },
         { short_receiver, short_sender },     { dereg_receiver, dereg_sender },
         { arrived_receiver, arrived_sender }, { flush_receiver, flush_sender },
-        { ack_receiver, ack_sender },
+        { ack_receiver, ack_sender },         { refused_receiver, refused_sender },
     };
     CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");
     pid_t child = fork();
