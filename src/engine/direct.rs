@@ -504,8 +504,9 @@ impl OwnReceiveRing {
             .post(index, room.min(ENTRY_DATA as u64) as u32, direct);
     }
 
-    /// The PSN the next placed SEND must carry: the QP's expected one (set when the QP
-    /// enters RTR, and after messages advanced it; placed SENDs advance it themselves).
+    /// The PSN the next placed SEND must carry: the one after the last request the QP
+    /// delivered (set when the QP enters RTR, and once a message took effect; placed SENDs
+    /// advance it themselves).
     pub fn set_expected_psn(&self, psn: u32) {
         self.ring.set_expected_psn(psn);
     }
@@ -788,9 +789,9 @@ impl PeerMemory {
     /// The same-host SEND path: places a SEND of the local `spans` (at most [`SEND_MAX`]
     /// bytes, with `imm_data`, numbered `psn`) in the next receive WR of the peer's QP
     /// `dst_qpn`, from this process's QP `my_qpn` on port `my_lid`, under the same QP checks
-    /// as a direct WRITE, and only if `psn` is the one the peer's QP expects (a requester
-    /// whose numbering the responder does not share delivers nothing, as on the message
-    /// path). `ring` caches the peer's ring mapped here (the requester QP keeps it).
+    /// as a direct WRITE, and only if `psn` follows the last request the peer's QP delivered
+    /// (nothing before it is still on its way; a requester whose numbering the responder does
+    /// not share delivers nothing, as on the message path). `ring` caches the peer's ring mapped here (the requester QP keeps it).
     pub fn send(
         &self,
         ring: &mut Option<Arc<ReceiveRing>>,

@@ -38,8 +38,10 @@ struct Header {
 #[repr(C, align(64))]
 struct Taken {
     count: AtomicU64,
-    /// The PSN the owner's QP expects of the next SEND placed (the peer advances it with each
-    /// placed SEND; the owner sets it when it starts or when messages advanced its sequence).
+    /// The PSN the next SEND placed must carry: the one after the last request the owner's QP
+    /// delivered (the peer advances it with each placed SEND; the owner sets it when it
+    /// starts, and when a message took effect). A requester reads it as the ACK of all
+    /// before it.
     expected_psn: AtomicU32,
 }
 
