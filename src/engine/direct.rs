@@ -20,7 +20,7 @@
 //! the lock: once a withdrawal returns, nothing more lands.
 
 use super::Engine;
-pub use crate::shared_memory::{AtomicOp, Placed, ReceiveRing};
+pub use crate::shared_memory::{AtomicOp, Placed, PostedAhead, ReceiveRing};
 use crate::shared_memory::{
     Backing, ENTRY_DATA, MAX_ENTRIES, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, QpSlot, Table,
     read_process, write_process,
@@ -450,6 +450,14 @@ pub struct SendToRing<'a> {
 static RECEIVE_RINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 pub const MAX_RECEIVE_RINGS: usize = 256;
 
+/// A requester QP's view of its same-host peer's receive ring (the SEND path's cache): the
+/// ring mapped here, and the receive WRs last seen posted in it.
+#[derive(Default)]
+pub struct PeerRing {
+    ring: Option<Arc<ReceiveRing>>,
+    posted: PostedAhead,
+}
+
 /// A queue pair's receive ring, owner side: the same-host SEND path (docs/design.md). The
 /// owner posts each receive WR into it, in order; its connected peer takes the next one
 /// (holding the QP's slot lock, as for a direct WRITE) and places a small SEND in it; the
@@ -691,7 +699,7 @@ impl PeerMemory {
         remote_addr: u64,
     ) -> Result<(), Refused> {
         let needed = op.needs();
-        let qp = self.connected_slot(dst_qpn, (my_lid, my_qpn))?;
+        let (qp, _) = self.connected_slot(dst_qpn, (my_lid, my_qpn))?;
         let pd = qp.pd.load(Ordering::Relaxed);
         if qp.access.load(Ordering::Relaxed) & needed != needed {
             return Err(Refused::NotPublished);
@@ -791,12 +799,9 @@ impl PeerMemory {
     /// `dst_qpn`, from this process's QP `my_qpn` on port `my_lid`, under the same QP checks
     /// as a direct WRITE, and only if `psn` follows the last request the peer's QP delivered
     /// (nothing before it is still on its way; a requester whose numbering the responder does
-    /// not share delivers nothing, as on the message path). `ring` caches the peer's ring mapped here (the requester QP keeps it).
-    pub fn send(
-        &self,
-        ring: &mut Option<Arc<ReceiveRing>>,
-        send: &SendToRing<'_>,
-    ) -> Result<(), Refused> {
+    /// not share delivers nothing, as on the message path). `ring`: what the requester QP
+    /// keeps of the peer's ring (mapped here, and the WRs it saw posted there).
+    pub fn send(&self, ring: &mut PeerRing, send: &SendToRing<'_>) -> Result<(), Refused> {
         let result = self.holding_slot(send.dst_qpn, || self.send_locked(ring, send));
         self.count(match result {
             Ok(()) => &COUNTERS.sends,
@@ -807,7 +812,7 @@ impl PeerMemory {
 
     fn send_locked(
         &self,
-        cache: &mut Option<Arc<ReceiveRing>>,
+        cache: &mut PeerRing,
         &SendToRing {
             spans,
             imm_data,
@@ -817,15 +822,19 @@ impl PeerMemory {
             dst_qpn,
         }: &SendToRing<'_>,
     ) -> Result<(), Refused> {
-        let ring = self.connected_ring(cache, dst_qpn, (my_lid, my_qpn))?;
+        let (ring, publication) =
+            self.connected_ring(&mut cache.ring, dst_qpn, (my_lid, my_qpn))?;
         if ring.expected_psn() != psn {
             return Err(Refused::NotPublished);
         }
         let len: usize = spans.iter().map(AppSpan::len).sum();
         // The WR's posted slot says whether it is posted (no count of posted WRs is read:
-        // that line would move between the two processes' caches on every post and SEND).
+        // that line would move between the two processes' caches on every post and SEND),
+        // and what was read of it stays known until the owner withdraws its QP.
         let index = ring.taken();
-        let room = ring.posted_room(index).ok_or(Refused::NoReceive)?;
+        let room = ring
+            .posted_room_ahead(index, publication, &mut cache.posted)
+            .ok_or(Refused::NoReceive)?;
         if len > room as usize || len > SEND_MAX {
             return Err(Refused::NoReceive);
         }
@@ -848,14 +857,16 @@ impl PeerMemory {
 
     /// The receive ring of the peer's QP `dst_qpn`, if that QP is connected to this process's
     /// QP `me` (see [`Self::connected_slot`]) and publishes one, mapped here once and kept in
-    /// `cache` (borrowed, not cloned: two atomic read-modify-writes fewer per SEND).
+    /// `cache` (borrowed, not cloned: two atomic read-modify-writes fewer per SEND); with the
+    /// QP's publication (its slot's sequence number, which changes whenever the owner
+    /// withdraws the QP).
     fn connected_ring<'c>(
         &self,
         cache: &'c mut Option<Arc<ReceiveRing>>,
         dst_qpn: u32,
         me: (u16, u32),
-    ) -> Result<&'c ReceiveRing, Refused> {
-        let qp = self.connected_slot(dst_qpn, me)?;
+    ) -> Result<(&'c ReceiveRing, u64), Refused> {
+        let (qp, publication) = self.connected_slot(dst_qpn, me)?;
         let fd = qp.ring_fd.load(Ordering::Relaxed);
         let ino = qp.ring_ino.load(Ordering::Relaxed);
         if fd < 0 || ino == 0 {
@@ -872,7 +883,8 @@ impl PeerMemory {
             })?;
             *cache = Some(Arc::new(r));
         }
-        cache.as_deref().ok_or(Refused::Unreachable)
+        let ring = cache.as_deref().ok_or(Refused::Unreachable)?;
+        Ok((ring, publication))
     }
 
     /// Whether the responder of the peer's QP `dst_qpn` (connected to this process's QP `me`,
@@ -880,32 +892,33 @@ impl PeerMemory {
     /// as an ACK of `psn`'s predecessor would say. False when it cannot tell (no ring).
     pub fn delivered_before(
         &self,
-        cache: &mut Option<Arc<ReceiveRing>>,
+        cache: &mut PeerRing,
         dst_qpn: u32,
         me: (u16, u32),
         psn: u32,
     ) -> bool {
-        self.connected_ring(cache, dst_qpn, me)
-            .is_ok_and(|ring| ring.expected_psn() == psn)
+        self.connected_ring(&mut cache.ring, dst_qpn, me)
+            .is_ok_and(|(ring, _)| ring.expected_psn() == psn)
     }
 
     /// The peer's slot for its QP `dst_qpn`, if it is published (not being changed) and
     /// connected to this process's QP `me` (port LID, QP number): what every direct access
-    /// checks first.
+    /// checks first. With the slot's sequence number (even: the publication).
     fn connected_slot(
         &self,
         dst_qpn: u32,
         (my_lid, my_qpn): (u16, u32),
-    ) -> Result<&QpSlot, Refused> {
+    ) -> Result<(&QpSlot, u64), Refused> {
         let qp = self.table.qp(qp_slot(dst_qpn));
-        if qp.seq.load(Ordering::SeqCst) % 2 == 1
+        let seq = qp.seq.load(Ordering::SeqCst);
+        if seq % 2 == 1
             || qp.qpn.load(Ordering::Relaxed) != dst_qpn
             || qp.peer_lid.load(Ordering::Relaxed) != u32::from(my_lid)
             || qp.peer_qpn.load(Ordering::Relaxed) != my_qpn
         {
             return Err(Refused::NotPublished);
         }
-        Ok(qp)
+        Ok((qp, seq))
     }
 
     fn log_counts(&self) {

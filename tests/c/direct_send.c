@@ -19,6 +19,10 @@
  *            REM_INV_REQ_ERR at the sender.
  *   dereg    the receive WR's MR is deregistered before the SEND: LOC_PROT_ERR at the
  *            receiver, REM_OP_ERR at the sender.
+ *   ahead    the sender's first SEND lands in receive WR 30 and shows it WR 31 posted too
+ *            (a sender reads a line of posted slots at a time); the receiver then deregisters
+ *            the MR WR 31 names: the next SEND must not land there (REM_OP_ERR at the sender,
+ *            LOC_PROT_ERR at the receiver, the buffer untouched), as in `dereg`.
  *   arrived  the MR is deregistered after the SEND completed at the sender but before the
  *            receiver polled: the receive completes with the data, as a HCA's would have.
  *   flush    three SENDs complete at the sender; the receiver moves its QP to ERR before
@@ -438,6 +442,42 @@ static void dereg_sender(void)
     send_one(2, 3, IBV_WC_REM_OP_ERR, 0);
 }
 
+static void ahead_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    post_recv_slot(&s, 30, 0, SLOT);
+    char *other;
+    struct ibv_mr *mr = post_recv_in_second_mr(&s, 31, &other);
+    step('r');
+    expect_recv(&s, 30, 64, 0);
+    check_bytes(s.buf, 64, 5, "ahead");
+    CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
+    step('x');
+    expect_recv_status(&s, 31, IBV_WC_LOC_PROT_ERR);
+    for (int k = 0; k < 64; k++)
+        CHECK(other[k] == 0, "a SEND landed in deregistered memory");
+    step('d');
+    close_side(&s);
+    free(other);
+}
+
+static void ahead_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    fill(s.buf, 64, 5);
+    post_send(&s, 4, 0, 64, 0, IBV_SEND_SIGNALED);
+    expect_send(&s, 4, IBV_WC_SUCCESS);
+    await_step('x');
+    fill(s.buf, 64, 6);
+    post_send(&s, 5, 0, 64, 0, IBV_SEND_SIGNALED);
+    expect_send(&s, 5, IBV_WC_REM_OP_ERR);
+    await_step('d');
+    close_side(&s);
+}
+
 static void arrived_receiver(void)
 {
     struct side s;
@@ -717,7 +757,8 @@ int main(void)
     void (*scenario[][2])(void) = {
         { shapes_receiver, shapes_sender },   { stream_receiver, stream_sender },
         { short_receiver, short_sender },     { dereg_receiver, dereg_sender },
-        { arrived_receiver, arrived_sender }, { flush_receiver, flush_sender },
+        { ahead_receiver, ahead_sender },     { arrived_receiver, arrived_sender },
+        { flush_receiver, flush_sender },
         { ack_receiver, ack_sender },         { refused_receiver, refused_sender },
     };
     CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");

@@ -10,7 +10,7 @@ use super::super::qp_state::QpState;
 use super::super::work::{RecvRequest, WcOpcode, WcStatus, WorkCompletion};
 use super::{AppSpan, QpAttributes, QueuePair};
 use crate::engine::Peer;
-use crate::engine::direct::ReceiveRing;
+use crate::engine::direct::PeerRing;
 use crate::engine::wire::{self, Header, Op};
 use crate::ucp::{AmData, AmPayload, Endpoint, LockedWorker, SendPayload, SpanList};
 use smallvec::SmallVec;
@@ -205,7 +205,7 @@ pub(super) struct Queues {
     pub(super) send_keys: KeyCache,
     pub(super) recv_keys: KeyCache,
     /// Requester: the same-host peer's receive ring, mapped here (the SEND path's cache).
-    pub(super) peer_ring: Option<Arc<ReceiveRing>>,
+    pub(super) peer_ring: PeerRing,
     /// Responder: a receive WR a peer placed a SEND in failed; no later one completes.
     pub(super) placed_failed: bool,
 }
@@ -272,7 +272,7 @@ impl Queues {
             last_wqe_raised: false,
             send_keys: KeyCache::default(),
             recv_keys: KeyCache::default(),
-            peer_ring: None,
+            peer_ring: PeerRing::default(),
             placed_failed: false,
         }
     }
