@@ -195,8 +195,9 @@ fn sends_placed(out: &std::process::Output) -> u64 {
 /// completion field of SENDs up to 256 bytes (placed straight in the receiver's posted buffers)
 /// and above (messages), in one stream of 20,000 (mixed in its second half), and the message
 /// path's errors and flush order: a receive WR too short, one whose MR was deregistered before
-/// the SEND (also after the sender saw it posted), one whose MR was deregistered after the
-/// SEND arrived (it completes), a QP moved to ERR with placed receives not yet polled;
+/// the SEND (also after the sender saw it posted), a message's completion still queued when
+/// the placed SEND after it is polled (it comes first), one whose MR was deregistered after
+/// the SEND arrived (it completes), a QP moved to ERR with placed receives not yet polled;
 /// and that a sender polling only its send CQ gets the ACK a placed SEND carries back (it
 /// waited for its transport timer, ~4.3 s, when only a poll of the receive CQ read the ring);
 /// that a direct WRITE and placed SENDs complete at post once the receiver delivered the

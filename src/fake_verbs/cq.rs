@@ -138,9 +138,37 @@ pub struct CompletionQueue {
 pub trait PlacedArrivals: Send + Sync {
     /// Completes the receive WRs whose messages were placed, in order.
     fn complete_placed_now(self: Arc<Self>);
+
+    /// As [`PlacedArrivals::complete_placed_now`], for an application polling `cq`: when
+    /// they complete on `cq` and nothing of theirs waits in its queue, their completions go
+    /// straight to `poller` (as many as it has room for; the rest stay placed for the next
+    /// poll), without passing through the queue and its lock.
+    fn complete_placed_polled(self: Arc<Self>, cq: &CompletionQueue, poller: &mut Poller<'_>);
+}
+
+/// An application's poll being served: where its completions go, and how many more it takes.
+pub struct Poller<'s> {
+    sink: &'s mut dyn FnMut(&WorkCompletion),
+    room: usize,
+}
+
+impl Poller<'_> {
+    pub fn room(&self) -> usize {
+        self.room
+    }
+
+    /// Hands the poller one completion (it has room: the caller checked).
+    pub fn hand(&mut self, wc: &WorkCompletion) {
+        debug_assert!(self.room > 0);
+        (self.sink)(wc);
+        self.room -= 1;
+    }
 }
 
 type PlacedSource = (Arc<OwnReceiveRing>, Weak<dyn PlacedArrivals>);
+
+/// The QPs whose rings hold placed SENDs: the first found, and any others.
+type WithPlaced = (Arc<dyn PlacedArrivals>, Vec<Arc<dyn PlacedArrivals>>);
 
 impl CompletionQueue {
     pub fn new(
@@ -294,11 +322,29 @@ impl CompletionQueue {
 
     /// Takes up to `max` completions, oldest first (after completing the receives same-host
     /// peers placed SENDs in).
-    pub fn poll(&self, max: usize, sink: impl FnMut(&WorkCompletion)) -> usize {
+    pub fn poll(&self, max: usize, mut sink: impl FnMut(&WorkCompletion)) -> usize {
         if self.placed_count.load(Ordering::Relaxed) > 0 {
-            self.complete_placed();
+            if max == 0 || self.timestamps.raw || self.timestamps.wallclock {
+                self.complete_placed();
+            } else {
+                let mut poller = Poller {
+                    sink: &mut sink,
+                    room: max,
+                };
+                self.complete_placed_polled(&mut poller);
+                let handed = max - poller.room;
+                if handed > 0 {
+                    return handed + self.poll_queued(max - handed, sink);
+                }
+            }
         }
         self.poll_queued(max, sink)
+    }
+
+    /// Whether completions wait in the queue (a placed receive is then queued behind them,
+    /// not handed to the poller: one of them may be its QP's earlier receive).
+    pub fn holds_completions(&self) -> bool {
+        self.queued.load(Ordering::Acquire) > 0
     }
 
     /// [`CompletionQueue::poll`] without looking at the rings of placed SENDs.
@@ -360,31 +406,47 @@ impl CompletionQueue {
         self.placed_count.store(sources.len(), Ordering::Relaxed);
     }
 
-    /// Has the QPs whose rings hold placed SENDs complete them (without this CQ's locks: a
-    /// QP's lock comes before its CQs').
-    fn complete_placed(&self) {
+    /// The QPs whose rings hold placed SENDs, if any (their first, and the others).
+    fn with_placed(&self) -> Option<WithPlaced> {
         // An empty poll spins through here: it only reads each ring's cursor, and builds
         // nothing (most CQs have one ring; a second one found is kept in a Vec).
         let mut first = None;
         let mut more = Vec::new();
-        {
-            let sources = self
-                .placed_sources
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            for (ring, qp) in sources.iter() {
-                if ring.arrived()
-                    && let Some(qp) = qp.upgrade()
-                {
-                    if first.is_none() {
-                        first = Some(qp);
-                    } else {
-                        more.push(qp);
-                    }
+        let sources = self
+            .placed_sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (ring, qp) in sources.iter() {
+            if ring.arrived()
+                && let Some(qp) = qp.upgrade()
+            {
+                if first.is_none() {
+                    first = Some(qp);
+                } else {
+                    more.push(qp);
                 }
             }
         }
-        let Some(first) = first else {
+        first.map(|f| (f, more))
+    }
+
+    /// [`CompletionQueue::complete_placed`] for an application's poll: receives that
+    /// complete here go straight to `poller` where they may (see
+    /// [`PlacedArrivals::complete_placed_polled`]).
+    fn complete_placed_polled(&self, poller: &mut Poller<'_>) {
+        let Some((first, more)) = self.with_placed() else {
+            return;
+        };
+        first.complete_placed_polled(self, poller);
+        for qp in more {
+            qp.complete_placed_polled(self, poller);
+        }
+    }
+
+    /// Has the QPs whose rings hold placed SENDs complete them (without this CQ's locks: a
+    /// QP's lock comes before its CQs').
+    fn complete_placed(&self) {
+        let Some((first, more)) = self.with_placed() else {
             return;
         };
         first.complete_placed_now();

@@ -23,6 +23,9 @@
  *            (a sender reads a line of posted slots at a time); the receiver then deregisters
  *            the MR WR 31 names: the next SEND must not land there (REM_OP_ERR at the sender,
  *            LOC_PROT_ERR at the receiver, the buffer untouched), as in `dereg`.
+ *   queued   a 1000-byte SEND (a message) completes at the sender, then a 64-byte one (placed:
+ *            the receiver delivered the first), before the receiver polls for both at once:
+ *            the first one's completion, queued when it was delivered, comes first.
  *   arrived  the MR is deregistered after the SEND completed at the sender but before the
  *            receiver polled: the receive completes with the data, as a HCA's would have.
  *   flush    three SENDs complete at the sender; the receiver moves its QP to ERR before
@@ -228,6 +231,15 @@ static void check_bytes(const char *p, uint32_t len, uint32_t seed, const char *
         CHECK(p[k] == (char)(seed * 31 + k * 7 + 1), "%s: byte %u differs", what, k);
 }
 
+/* A signaled SEND of `len` bytes of `seed` from `at`, which must complete with `status`. */
+static void send_filled(struct side *s, uint64_t wr_id, size_t at, uint32_t len, uint32_t seed,
+                        enum ibv_wc_status status)
+{
+    fill(s->buf + at, len, seed);
+    post_send(s, wr_id, at, len, 0, IBV_SEND_SIGNALED);
+    expect_send(s, wr_id, status);
+}
+
 /* ------------------------------------------------------------------------------ shapes */
 
 static const uint32_t SHAPE_LEN[] = { 8, 100, 0, 256, 257, 16 };
@@ -428,9 +440,7 @@ static void send_one(uint64_t wr_id, uint32_t seed, enum ibv_wc_status status, c
     struct side s;
     open_side(&s);
     await_step('r');
-    fill(s.buf, 64, seed);
-    post_send(&s, wr_id, 0, 64, 0, IBV_SEND_SIGNALED);
-    expect_send(&s, wr_id, status);
+    send_filled(&s, wr_id, 0, 64, seed, status);
     if (then)
         step(then);
     await_step('d');
@@ -467,13 +477,50 @@ static void ahead_sender(void)
     struct side s;
     open_side(&s);
     await_step('r');
-    fill(s.buf, 64, 5);
-    post_send(&s, 4, 0, 64, 0, IBV_SEND_SIGNALED);
-    expect_send(&s, 4, IBV_WC_SUCCESS);
+    send_filled(&s, 4, 0, 64, 5, IBV_WC_SUCCESS);
     await_step('x');
-    fill(s.buf, 64, 6);
-    post_send(&s, 5, 0, 64, 0, IBV_SEND_SIGNALED);
-    expect_send(&s, 5, IBV_WC_REM_OP_ERR);
+    send_filled(&s, 5, 0, 64, 6, IBV_WC_REM_OP_ERR);
+    await_step('d');
+    close_side(&s);
+}
+
+static void queued_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    post_recv_slot(&s, 40, 0, SLOT);
+    post_recv_slot(&s, 41, 1, SLOT);
+    step('r');
+    await_step('s');
+    struct ibv_wc wc[2];
+    int got = 0;
+    for (int tries = 0; got < 2 && tries < 10000000; tries++) {
+        int n = ibv_poll_cq(s.rcq, 2 - got, wc + got);
+        CHECK(n >= 0, "poll");
+        got += n;
+    }
+    CHECK(got == 2, "queued: %d receive completions", got);
+    for (int k = 0; k < 2; k++)
+        CHECK(wc[k].status == IBV_WC_SUCCESS && wc[k].wr_id == 40u + k &&
+                  wc[k].byte_len == (k ? 64u : 1000u) && wc[k].opcode == IBV_WC_RECV &&
+                  wc[k].qp_num == s.qp->qp_num && wc[k].src_qp == s.peer_qpn,
+              "queued: completion %d is wr_id %" PRIu64 " (%u bytes, %s)", k, wc[k].wr_id,
+              wc[k].byte_len, ibv_wc_status_str(wc[k].status));
+    check_bytes(s.buf, 1000, 7, "queued message");
+    check_bytes(s.buf + SLOT, 64, 8, "queued placed");
+    expect_cq_empty(s.rcq, "queued");
+    step('d');
+    close_side(&s);
+}
+
+static void queued_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    send_filled(&s, 6, 0, 1000, 7, IBV_WC_SUCCESS);
+    send_filled(&s, 7, SLOT, 64, 8, IBV_WC_SUCCESS);
+    step('s');
     await_step('d');
     close_side(&s);
 }
@@ -757,8 +804,8 @@ int main(void)
     void (*scenario[][2])(void) = {
         { shapes_receiver, shapes_sender },   { stream_receiver, stream_sender },
         { short_receiver, short_sender },     { dereg_receiver, dereg_sender },
-        { ahead_receiver, ahead_sender },     { arrived_receiver, arrived_sender },
-        { flush_receiver, flush_sender },
+        { ahead_receiver, ahead_sender },     { queued_receiver, queued_sender },
+        { arrived_receiver, arrived_sender }, { flush_receiver, flush_sender },
         { ack_receiver, ack_sender },         { refused_receiver, refused_sender },
     };
     CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");

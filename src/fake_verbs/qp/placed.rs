@@ -6,7 +6,7 @@
 //! through UCX takes its receive WR through the same cursor, after the placed ones before it
 //! completed.
 
-use super::super::cq::PlacedArrivals;
+use super::super::cq::{CompletionQueue, PlacedArrivals, Poller};
 use super::super::mr::{local_spans_cached, receive_sges_pinned};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{RecvRequest, WcStatus};
@@ -119,15 +119,28 @@ impl QueuePair {
     /// Completes, in order, the receive WRs a peer placed SENDs in. True when one failed
     /// (its buffers went away since it was posted): the QP is then in ERR, to be flushed.
     pub(super) fn complete_placed(&self, q: &mut Queues) -> bool {
+        self.complete_placed_to(q, None)
+    }
+
+    /// [`QueuePair::complete_placed`], the completions handed to `poller` (an application
+    /// polling this QP's receive CQ) while it has room, if nothing waits before them: no
+    /// completion in the CQ's queue (one of this QP's receives may be there: all of them are
+    /// queued under this QP's lock, held now) and no message of this QP still landing.
+    fn complete_placed_to(&self, q: &mut Queues, mut poller: Option<&mut Poller<'_>>) -> bool {
         let Some(ring) = self.receive_ring.get() else {
             return false;
         };
+        if poller.is_some() && (self.recv_cq.holds_completions() || !q.landing.is_empty()) {
+            poller = None;
+        }
         // Every message to this QP and every flush comes through here: look before anything.
         if q.placed_failed || !ring.arrived() {
             return false;
         }
         let mut bytes = [0u8; SEND_MAX];
-        while let Some(placed) = ring.take_placed(&mut bytes) {
+        while poller.as_ref().is_none_or(|p| p.room() > 0)
+            && let Some(placed) = ring.take_placed(&mut bytes)
+        {
             let Some(wr) = q.rq.pop_front() else {
                 break; // the ring runs ahead of the queue only if the peer broke the protocol
             };
@@ -159,7 +172,10 @@ impl QueuePair {
                 Ok(spans) => {
                     crate::ucp::scatter(&spans, &bytes[..len]);
                     let wc = self.recv_completion(&wr, &h, len);
-                    self.flushed_receive_in_order(q, wc);
+                    match poller.as_deref_mut() {
+                        Some(p) => p.hand(&wc),
+                        None => self.flushed_receive_in_order(q, wc),
+                    }
                 }
                 Err(status) => {
                     // Deregistered since it was posted (not by ibv_dereg_mr, which fences):
@@ -290,6 +306,20 @@ impl PlacedArrivals for QueuePair {
         let failed = {
             let mut q = self.queues();
             self.complete_placed(&mut q)
+        };
+        if failed {
+            self.flush_after_placed_failure();
+        }
+    }
+
+    fn complete_placed_polled(self: Arc<Self>, cq: &CompletionQueue, poller: &mut Poller<'_>) {
+        if !std::ptr::eq(Arc::as_ptr(&self.recv_cq), cq) {
+            // Polled through its send CQ: the receives complete on the other one.
+            return self.complete_placed_now();
+        }
+        let failed = {
+            let mut q = self.queues();
+            self.complete_placed_to(&mut q, Some(poller))
         };
         if failed {
             self.flush_after_placed_failure();
