@@ -822,8 +822,8 @@ impl PeerMemory {
             dst_qpn,
         }: &SendToRing<'_>,
     ) -> Result<(), Refused> {
-        let (ring, publication) =
-            self.connected_ring(&mut cache.ring, dst_qpn, (my_lid, my_qpn))?;
+        let publication = self.connected_ring(cache, dst_qpn, (my_lid, my_qpn))?;
+        let ring = cache.ring.as_deref().ok_or(Refused::Unreachable)?;
         if ring.expected_psn() != psn {
             return Err(Refused::NotPublished);
         }
@@ -855,24 +855,24 @@ impl PeerMemory {
         Ok(())
     }
 
-    /// The receive ring of the peer's QP `dst_qpn`, if that QP is connected to this process's
-    /// QP `me` (see [`Self::connected_slot`]) and publishes one, mapped here once and kept in
-    /// `cache` (borrowed, not cloned: two atomic read-modify-writes fewer per SEND); with the
-    /// QP's publication (its slot's sequence number, which changes whenever the owner
-    /// withdraws the QP).
-    fn connected_ring<'c>(
+    /// Maps into `cache` (once; the caller borrows it from there, not a clone: two atomic
+    /// read-modify-writes fewer per SEND) the receive ring of the peer's QP `dst_qpn`, if that
+    /// QP is connected to this process's QP `me` (see [`Self::connected_slot`]) and publishes
+    /// one; the QP's publication (its slot's sequence number, which changes whenever the
+    /// owner withdraws the QP).
+    fn connected_ring(
         &self,
-        cache: &'c mut Option<Arc<ReceiveRing>>,
+        cache: &mut PeerRing,
         dst_qpn: u32,
         me: (u16, u32),
-    ) -> Result<(&'c ReceiveRing, u64), Refused> {
+    ) -> Result<u64, Refused> {
         let (qp, publication) = self.connected_slot(dst_qpn, me)?;
         let fd = qp.ring_fd.load(Ordering::Relaxed);
         let ino = qp.ring_ino.load(Ordering::Relaxed);
         if fd < 0 || ino == 0 {
             return Err(Refused::NotPublished);
         }
-        if cache.as_ref().is_none_or(|r| r.ino() != ino) {
+        if cache.ring.as_ref().is_none_or(|r| r.ino() != ino) {
             if self.rings_unreachable.load(Ordering::Relaxed) {
                 return Err(Refused::Unreachable);
             }
@@ -881,10 +881,15 @@ impl PeerMemory {
                 self.rings_unreachable.store(true, Ordering::Relaxed);
                 Refused::Unreachable
             })?;
-            *cache = Some(Arc::new(r));
+            // Another ring (the QP was connected anew, maybe to another process, whose
+            // publications are numbered on their own): nothing seen posted in the last one
+            // holds for it.
+            *cache = PeerRing {
+                ring: Some(Arc::new(r)),
+                posted: PostedAhead::default(),
+            };
         }
-        let ring = cache.as_deref().ok_or(Refused::Unreachable)?;
-        Ok((ring, publication))
+        Ok(publication)
     }
 
     /// Whether the responder of the peer's QP `dst_qpn` (connected to this process's QP `me`,
@@ -897,8 +902,11 @@ impl PeerMemory {
         me: (u16, u32),
         psn: u32,
     ) -> bool {
-        self.connected_ring(&mut cache.ring, dst_qpn, me)
-            .is_ok_and(|(ring, _)| ring.expected_psn() == psn)
+        self.connected_ring(cache, dst_qpn, me).is_ok()
+            && cache
+                .ring
+                .as_deref()
+                .is_some_and(|ring| ring.expected_psn() == psn)
     }
 
     /// The peer's slot for its QP `dst_qpn`, if it is published (not being changed) and
