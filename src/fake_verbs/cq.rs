@@ -136,14 +136,12 @@ pub struct CompletionQueue {
 
 /// A receive queue whose WRs a same-host peer places SENDs in: the QP completes them.
 pub trait PlacedArrivals: Send + Sync {
-    /// Completes the receive WRs whose messages were placed, in order.
-    fn complete_placed_now(self: Arc<Self>);
-
-    /// As [`PlacedArrivals::complete_placed_now`], for an application polling `cq`: when
-    /// they complete on `cq` and nothing of theirs waits in its queue, their completions go
-    /// straight to `poller` (as many as it has room for; the rest stay placed for the next
-    /// poll), without passing through the queue and its lock.
-    fn complete_placed_polled(self: Arc<Self>, cq: &CompletionQueue, poller: &mut Poller<'_>);
+    /// Completes the receive WRs whose messages were placed, in order (`cq` was polled).
+    /// With `poller` (an application polling `cq`): when they complete on `cq` and nothing of
+    /// theirs waits in its queue, their completions go straight to it (as many as it has room
+    /// for; the rest stay placed for the next poll), without passing through the queue and
+    /// its lock.
+    fn complete_placed_for(self: Arc<Self>, cq: &CompletionQueue, poller: Option<&mut Poller<'_>>);
 }
 
 /// An application's poll being served: where its completions go, and how many more it takes.
@@ -325,13 +323,13 @@ impl CompletionQueue {
     pub fn poll(&self, max: usize, mut sink: impl FnMut(&WorkCompletion)) -> usize {
         if self.placed_count.load(Ordering::Relaxed) > 0 {
             if max == 0 || self.timestamps.raw || self.timestamps.wallclock {
-                self.complete_placed();
+                self.complete_placed(None);
             } else {
                 let mut poller = Poller {
                     sink: &mut sink,
                     room: max,
                 };
-                self.complete_placed_polled(&mut poller);
+                self.complete_placed(Some(&mut poller));
                 let handed = max - poller.room;
                 if handed > 0 {
                     return handed + self.poll_queued(max - handed, sink);
@@ -430,28 +428,15 @@ impl CompletionQueue {
         first.map(|f| (f, more))
     }
 
-    /// [`CompletionQueue::complete_placed`] for an application's poll: receives that
-    /// complete here go straight to `poller` where they may (see
-    /// [`PlacedArrivals::complete_placed_polled`]).
-    fn complete_placed_polled(&self, poller: &mut Poller<'_>) {
-        let Some((first, more)) = self.with_placed() else {
-            return;
-        };
-        first.complete_placed_polled(self, poller);
-        for qp in more {
-            qp.complete_placed_polled(self, poller);
-        }
-    }
-
     /// Has the QPs whose rings hold placed SENDs complete them (without this CQ's locks: a
-    /// QP's lock comes before its CQs').
-    fn complete_placed(&self) {
+    /// QP's lock comes before its CQs'); receives that complete here go straight to `poller`
+    /// where they may (see [`PlacedArrivals::complete_placed_for`]).
+    fn complete_placed(&self, mut poller: Option<&mut Poller<'_>>) {
         let Some((first, more)) = self.with_placed() else {
             return;
         };
-        first.complete_placed_now();
-        for qp in more {
-            qp.complete_placed_now();
+        for qp in std::iter::once(first).chain(more) {
+            qp.complete_placed_for(self, poller.as_deref_mut());
         }
     }
 

@@ -416,6 +416,18 @@ static struct ibv_mr *post_recv_in_second_mr(struct side *s, uint64_t wr_id, cha
     return mr;
 }
 
+/* Receive WR `wr_id`, whose MR (at `other`) was deregistered, completes with LOC_PROT_ERR and
+ * nothing landed there; then the scenario ends. */
+static void end_refused(struct side *s, uint64_t wr_id, char *other)
+{
+    expect_recv_status(s, wr_id, IBV_WC_LOC_PROT_ERR);
+    for (int k = 0; k < 64; k++)
+        CHECK(other[k] == 0, "a SEND landed in deregistered memory");
+    step('d');
+    close_side(s);
+    free(other);
+}
+
 /* The receive WR names a second MR, deregistered before the SEND comes. */
 static void dereg_receiver(void)
 {
@@ -425,12 +437,7 @@ static void dereg_receiver(void)
     struct ibv_mr *mr = post_recv_in_second_mr(&s, 9, &other);
     CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
     step('r');
-    expect_recv_status(&s, 9, IBV_WC_LOC_PROT_ERR);
-    for (int k = 0; k < 64; k++)
-        CHECK(other[k] == 0, "a SEND landed in deregistered memory");
-    step('d');
-    close_side(&s);
-    free(other);
+    end_refused(&s, 9, other);
 }
 
 /* Once the receiver is ready, one signaled 64-byte SEND of bytes `seed`, which must complete
@@ -464,12 +471,7 @@ static void ahead_receiver(void)
     check_bytes(s.buf, 64, 5, "ahead");
     CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
     step('x');
-    expect_recv_status(&s, 31, IBV_WC_LOC_PROT_ERR);
-    for (int k = 0; k < 64; k++)
-        CHECK(other[k] == 0, "a SEND landed in deregistered memory");
-    step('d');
-    close_side(&s);
-    free(other);
+    end_refused(&s, 31, other);
 }
 
 static void ahead_sender(void)

@@ -302,24 +302,18 @@ impl QueuePair {
 }
 
 impl PlacedArrivals for QueuePair {
-    fn complete_placed_now(self: Arc<Self>) {
-        let failed = {
-            let mut q = self.queues();
-            self.complete_placed(&mut q)
-        };
-        if failed {
-            self.flush_after_placed_failure();
-        }
-    }
-
-    fn complete_placed_polled(self: Arc<Self>, cq: &CompletionQueue, poller: &mut Poller<'_>) {
+    fn complete_placed_for(
+        self: Arc<Self>,
+        cq: &CompletionQueue,
+        mut poller: Option<&mut Poller<'_>>,
+    ) {
         if !std::ptr::eq(Arc::as_ptr(&self.recv_cq), cq) {
             // Polled through its send CQ: the receives complete on the other one.
-            return self.complete_placed_now();
+            poller = None;
         }
         let failed = {
             let mut q = self.queues();
-            self.complete_placed_to(&mut q, Some(poller))
+            self.complete_placed_to(&mut q, poller)
         };
         if failed {
             self.flush_after_placed_failure();
