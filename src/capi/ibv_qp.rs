@@ -577,7 +577,7 @@ impl AppSge for ibv_sge {
 ///
 /// # Safety
 /// `sg_list` holds `num_sge` readable entries whenever `0 < num_sge <= max`.
-#[inline]
+#[inline(always)]
 pub(crate) unsafe fn read_sges<S: AppSge>(
     sg_list: *const S,
     num_sge: c_int,
@@ -589,15 +589,22 @@ pub(crate) unsafe fn read_sges<S: AppSge>(
     if count > max {
         return Err(VerbsError::Invalid("num_sge above the queue's max_sge"));
     }
-    if count > 0 && sg_list.is_null() {
+    if count == 0 {
+        return Ok(SgeList::new());
+    }
+    if sg_list.is_null() {
         return Err(VerbsError::Invalid("NULL sg_list"));
     }
-    let mut out = SgeList::new();
-    for i in 0..count as usize {
-        // SAFETY: within the caller's array (count <= max checked above).
-        out.push(unsafe { &*sg_list.add(i) }.sge());
-    }
-    Ok(out)
+    // SAFETY: the caller's array holds `count` entries (count <= max checked above).
+    let sges = unsafe { std::slice::from_raw_parts(sg_list, count as usize) };
+    Ok(match sges {
+        // Most WRs: one SGE, the list built in place.
+        [one] => SgeList::from_buf_and_len(
+            [one.sge(), Sge::default(), Sge::default(), Sge::default()],
+            1,
+        ),
+        _ => sges.iter().map(AppSge::sge).collect(),
+    })
 }
 
 /// Copies the bytes of inline SGEs (their lkeys are not used: rdma_post_send passes 0), in

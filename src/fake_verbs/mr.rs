@@ -590,6 +590,7 @@ struct CachedKey {
 
 impl KeyCache {
     /// What the checks read of the MR `lkey` names, without a copy when it is the cached one.
+    #[inline]
     fn by_lkey(&mut self, lkey: u32) -> Option<&CachedKey> {
         let changes = LKEY_CHANGES.load(Ordering::SeqCst);
         if changes != self.changes || self.last.as_ref().is_none_or(|k| k.lkey != lkey) {
@@ -617,6 +618,7 @@ impl KeyCache {
 /// The checks of one SGE against the local MRs of `pd` (lkey, PD, liveness, local write when
 /// `need_write`): the region it lies in and its address in this process (the SGE's address is
 /// in the MR's iova space). Its range is checked by what uses the region.
+#[inline]
 fn checked_sge(
     pd: &Arc<ProtectionDomain>,
     sge: &Sge,
@@ -643,6 +645,27 @@ pub fn receive_sges_pinned(pd: &Arc<ProtectionDomain>, sges: &[Sge], cache: &mut
     })
 }
 
+/// Lands `bytes` in a receive WR's single SGE, checked as [`local_spans_cached`] checks it for
+/// local writing, when it lies in a pinned region: true once written. False when the WR has
+/// more SGEs, or the SGE needs more than these checks (an on-demand region) or fails them:
+/// the caller then cuts spans, which tells which.
+pub fn land_in_one_pinned_sge(
+    pd: &Arc<ProtectionDomain>,
+    sges: &[Sge],
+    bytes: &[u8],
+    cache: &mut KeyCache,
+) -> bool {
+    let [sge] = sges else {
+        return false;
+    };
+    if bytes.len() as u64 > u64::from(sge.length) {
+        return false;
+    }
+    checked_sge(pd, sge, true, cache).is_some_and(|(region, addr)| {
+        region.holds_pinned(addr, u64::from(sge.length)) && region.write_pinned(addr, bytes)
+    })
+}
+
 /// [`local_spans`], looking lkeys up through `cache`.
 pub fn local_spans_cached(
     pd: &Arc<ProtectionDomain>,
@@ -650,15 +673,21 @@ pub fn local_spans_cached(
     need_write: bool,
     cache: &mut KeyCache,
 ) -> Option<SpanList> {
-    let mut spans = SmallVec::new();
-    for sge in sges {
-        if sge.length == 0 {
-            continue;
-        }
+    let span = |sge: &Sge, cache: &mut KeyCache| {
         let (region, addr) = checked_sge(pd, sge, need_write, cache)?;
-        spans.push(region.span_for(addr, u64::from(sge.length), need_write)?);
+        region.span_for(addr, u64::from(sge.length), need_write)
+    };
+    match sges {
+        // Most WRs: one SGE, its span built in place.
+        [sge] if sge.length > 0 => Some(SmallVec::from_buf([span(sge, cache)?])),
+        _ => {
+            let mut spans = SmallVec::new();
+            for sge in sges.iter().filter(|s| s.length > 0) {
+                spans.push(span(sge, cache)?);
+            }
+            Some(spans)
+        }
     }
-    Some(spans)
 }
 
 #[cfg(test)]
@@ -696,6 +725,65 @@ mod tests {
         );
         mr.deregister().unwrap();
         assert_eq!(pd.check_deallocatable(), Ok(()));
+    }
+
+    #[test]
+    fn a_placed_send_lands_in_one_pinned_sge_only_under_every_check_of_a_cut_span() {
+        let other_pd = pd();
+        let pd = pd();
+        // Device memory: pinned memory ugdr owns, registered as host memory at its address.
+        let dm = crate::fake_verbs::dm::DeviceMemory::allocate(&pd.context, 4096, 0).unwrap();
+        let region = || dm.region(0, 4096).unwrap();
+        let a = region().addr();
+        let bytes_at = |offset: u64, len: u64| crate::ucp::gather(&[dm.span(offset, len).unwrap()]);
+        let rw = ACCESS_LOCAL_WRITE;
+        let mr = MemoryRegion::register(&pd, region(), a, rw).unwrap();
+        let sge = |addr: u64, length: u32| Sge {
+            addr,
+            length,
+            lkey: mr.lkey(),
+        };
+        let mut cache = KeyCache::default();
+        let bytes = [7u8; 8];
+        assert!(land_in_one_pinned_sge(
+            &pd,
+            &[sge(a + 100, 16)],
+            &bytes,
+            &mut cache
+        ));
+        assert_eq!(bytes_at(100, 8), bytes, "landed where the SGE points");
+        assert_eq!(bytes_at(108, 1), [0], "no byte past the message");
+        let mut refused = |sges: &[Sge], pd: &Arc<ProtectionDomain>| {
+            !land_in_one_pinned_sge(pd, sges, &bytes, &mut cache)
+        };
+        assert!(
+            refused(&[sge(a + 4080, 32)], &pd),
+            "SGE past the end (the message fits)"
+        );
+        assert!(refused(&[sge(a + 200, 4)], &pd), "message above the SGE");
+        assert!(refused(&[sge(a, 8), sge(a + 8, 8)], &pd), "two SGEs");
+        assert!(refused(&[sge(a, 16)], &other_pd), "another PD");
+        let unknown = Sge {
+            lkey: mr.lkey() ^ 0x100,
+            ..sge(a, 16)
+        };
+        assert!(refused(&[unknown], &pd), "unknown lkey");
+        mr.reregister(&pd, region(), a, 0).unwrap();
+        assert!(refused(&[sge(a + 300, 16)], &pd), "no local write");
+        mr.reregister(&pd, AppRegion::on_demand(a, 4096), a, rw | ACCESS_ON_DEMAND)
+            .unwrap();
+        assert!(
+            refused(&[sge(a + 300, 16)], &pd),
+            "on-demand: left to the span path, which checks the mappings"
+        );
+        mr.reregister(&pd, region(), a, rw).unwrap();
+        let stale = sge(a + 400, 16);
+        mr.deregister().unwrap();
+        assert!(refused(&[stale], &pd), "deregistered");
+        assert!(
+            bytes_at(200, 3896).iter().all(|&b| b == 0),
+            "nothing landed when refused"
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@ use smallvec::SmallVec;
 use std::sync::Arc;
 
 /// One scatter/gather element as the application gave it (not yet checked).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sge {
     pub addr: u64,
     pub length: u32,

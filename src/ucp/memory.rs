@@ -90,6 +90,7 @@ impl Drop for Hold {
 }
 
 impl Pin {
+    #[inline]
     fn is_live(&self) -> bool {
         self.cell.state.load(Ordering::Acquire) == self.live
     }
@@ -433,6 +434,7 @@ impl RegionExtent {
     }
 
     /// False once the region's memory was unmapped or replaced, or the region dropped.
+    #[inline]
     pub fn is_live(&self) -> bool {
         self.pin.is_live()
     }
@@ -448,7 +450,29 @@ impl RegionExtent {
         !self.on_demand && addr >= self.addr && end <= region_end
     }
 
-    /// As [`AppRegion::span_for`].
+    /// Copies `src` to `[addr, addr + src.len())` if that lies inside this region, which is
+    /// pinned and lives (held for the copy): what cutting a span and scattering into it does,
+    /// for one span, without building it. False: nothing was written (out of range,
+    /// on-demand, or dead).
+    #[inline]
+    pub fn write_pinned(&self, addr: u64, src: &[u8]) -> bool {
+        if !self.holds_pinned(addr, src.len() as u64) {
+            return false;
+        }
+        let Some(_held) = self.pin.hold() else {
+            return false;
+        };
+        // SAFETY: the range lies in a registered, pinned region (AppRegion::new's contract),
+        // held alive for the copy; `src` is a Rust slice, which application memory never is
+        // (as in `scatter`).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as usize as *mut u8, src.len()) };
+        true
+    }
+
+    /// As [`AppRegion::span_for`]. Inlined: every SGE of every post comes through here, and a
+    /// pinned region's span takes a few compares (the mappings of an on-demand one are
+    /// checked out of line).
+    #[inline]
     pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;
         let region_end = self.addr.checked_add(self.len)?;
@@ -456,23 +480,31 @@ impl RegionExtent {
             return None;
         }
         let len = usize::try_from(len).ok()?;
-        let mut checked = None;
-        if self.on_demand && len > 0 {
-            // The change count first: a change that ends after the check makes the first hold
-            // check again.
-            let changes = self.pin.cell.changes.load(Ordering::SeqCst);
-            if let Err(e) = super::mappings::check(addr, len as u64, write) {
-                tracing::debug!("on-demand access to {addr:#x}+{len}: {e}");
-                return None;
-            }
-            checked = Some(Checked { changes, write });
-        }
+        let checked = if self.on_demand && len > 0 {
+            Some(self.check_mapped(addr, len, write)?)
+        } else {
+            None
+        };
         Some(AppSpan {
             addr,
             len,
             pin: Some(self.pin),
             checked,
         })
+    }
+
+    /// An on-demand span's pages are mapped now (and writable when `write`): what it was
+    /// checked for.
+    #[cold]
+    fn check_mapped(&self, addr: u64, len: usize, write: bool) -> Option<Checked> {
+        // The change count first: a change that ends after the check makes the first hold
+        // check again.
+        let changes = self.pin.cell.changes.load(Ordering::SeqCst);
+        if let Err(e) = super::mappings::check(addr, len as u64, write) {
+            tracing::debug!("on-demand access to {addr:#x}+{len}: {e}");
+            return None;
+        }
+        Some(Checked { changes, write })
     }
 }
 

@@ -7,7 +7,7 @@
 //! completed.
 
 use super::super::cq::{CompletionQueue, PlacedArrivals, Poller};
-use super::super::mr::{local_spans_cached, receive_sges_pinned};
+use super::super::mr::{land_in_one_pinned_sge, local_spans_cached, receive_sges_pinned};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{RecvRequest, WcStatus};
 use super::QueuePair;
@@ -160,17 +160,21 @@ impl QueuePair {
                 h.imm_data = imm;
             }
             let len = placed.byte_len as usize;
-            let spans = if len as u64 > wr.room() || len > SEND_MAX {
+            let landed = if len as u64 > wr.room() || len > SEND_MAX {
                 // The peer checked the room it read in the ring; one that wrote more than the
                 // WR holds broke the protocol: nothing lands.
                 Err(WcStatus::LocLenErr)
+            } else if land_in_one_pinned_sge(&self.pd, &wr.sges, &bytes[..len], &mut q.recv_keys) {
+                Ok(()) // most receives: one SGE of pinned memory
             } else {
                 local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
+                    .map(|spans| {
+                        crate::ucp::scatter(&spans, &bytes[..len]);
+                    })
                     .ok_or(WcStatus::LocProtErr)
             };
-            match spans {
-                Ok(spans) => {
-                    crate::ucp::scatter(&spans, &bytes[..len]);
+            match landed {
+                Ok(()) => {
                     let wc = self.recv_completion(&wr, &h, len);
                     match poller.as_deref_mut() {
                         Some(p) => p.hand(&wc),
