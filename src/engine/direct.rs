@@ -677,6 +677,7 @@ impl PeerMemory {
     }
 
     /// Counts one outcome; the counts are logged at each power of two.
+    #[inline]
     fn count(&self, counter: &AtomicU64) {
         // A statistic for the log: a load and a store, not an atomic read-modify-write (~20
         // cycles on every direct access); two threads counting at once may lose one.
@@ -810,6 +811,7 @@ impl PeerMemory {
         result
     }
 
+    #[inline]
     fn send_locked(
         &self,
         cache: &mut PeerRing,
@@ -860,6 +862,7 @@ impl PeerMemory {
     /// QP is connected to this process's QP `me` (see [`Self::connected_slot`]) and publishes
     /// one; the QP's publication (its slot's sequence number, which changes whenever the
     /// owner withdraws the QP).
+    #[inline]
     fn connected_ring(
         &self,
         cache: &mut PeerRing,
@@ -912,6 +915,7 @@ impl PeerMemory {
     /// The peer's slot for its QP `dst_qpn`, if it is published (not being changed) and
     /// connected to this process's QP `me` (port LID, QP number): what every direct access
     /// checks first. With the slot's sequence number (even: the publication).
+    #[inline]
     fn connected_slot(
         &self,
         dst_qpn: u32,

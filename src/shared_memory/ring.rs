@@ -301,6 +301,7 @@ impl ReceiveRing {
     /// slot's cache line. So a peer reads that line once per four SENDs, not on each, and the
     /// owner's posts find it in their own cache three times in four (each read moved it to
     /// the peer and back: two transfers between cores on the way of every SEND).
+    #[inline]
     pub fn posted_room_ahead(
         &self,
         index: u64,
@@ -364,6 +365,7 @@ impl ReceiveRing {
     /// Places a message in the `index`-th entry, which the caller took ([`ReceiveRing::take`]):
     /// the bytes of `spans` (at most [`ENTRY_DATA`], else EMSGSIZE and nothing is placed),
     /// then what describes them, then the mark that it is filled.
+    #[inline]
     pub fn fill(&self, index: u64, spans: &[AppSpan], message: &Placed) -> io::Result<()> {
         self.write_data(index, spans)?;
         let entry = self.entry(index);
@@ -414,6 +416,7 @@ impl ReceiveRing {
 
     /// Copies the bytes of `spans`, in order, into the `index`-th entry (at most
     /// [`ENTRY_DATA`] in all).
+    #[inline]
     fn write_data(&self, index: u64, spans: &[AppSpan]) -> io::Result<()> {
         let total: usize = spans.iter().map(AppSpan::len).sum();
         if total > ENTRY_DATA {

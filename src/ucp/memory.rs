@@ -463,8 +463,9 @@ impl RegionExtent {
             return false;
         };
         // SAFETY: the range lies in a registered, pinned region (AppRegion::new's contract),
-        // held alive for the copy; `src` is a Rust slice, which application memory never is
-        // (as in `scatter`).
+        // held alive for the copy; `src` is a Rust slice of ugdr's own memory (a placed
+        // message copied out of its ring), which the application never registers, so the two
+        // cannot overlap (as in `scatter`).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as usize as *mut u8, src.len()) };
         true
     }

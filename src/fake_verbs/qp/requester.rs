@@ -753,6 +753,7 @@ impl QueuePair {
 
     /// A WR the direct path carried out while it was posted: it completes now (in post order
     /// with those before it), numbered `seq`.
+    #[inline]
     fn completed_at_post(&self, q: &mut Queues, req: &SendRequest, seq: u32, length: u64) {
         if q.sq.is_empty() && q.state == QpState::Rts {
             // Nothing ahead of it to complete first, and no drain to report: its completion
