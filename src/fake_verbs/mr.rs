@@ -661,6 +661,8 @@ pub fn land_in_one_pinned_sge(
     if bytes.len() as u64 > u64::from(sge.length) {
         return false;
     }
+    // The whole SGE must lie in the region, as a cut span would (a receive WR with a bad SGE
+    // fails whatever the message's length); write_pinned checks only the bytes it writes.
     checked_sge(pd, sge, true, cache).is_some_and(|(region, addr)| {
         region.holds_pinned(addr, u64::from(sge.length)) && region.write_pinned(addr, bytes)
     })

@@ -463,16 +463,16 @@ impl RegionExtent {
             return false;
         };
         // SAFETY: the range lies in a registered, pinned region (AppRegion::new's contract),
-        // held alive for the copy; `src` is a Rust slice of ugdr's own memory (a placed
-        // message copied out of its ring), which the application never registers, so the two
-        // cannot overlap (as in `scatter`).
+        // held alive for the copy; `src` is a Rust slice, which the callers take from ugdr's
+        // own buffers, never registered by the application: the two cannot overlap (the
+        // contract `scatter` relies on too).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as usize as *mut u8, src.len()) };
         true
     }
 
-    /// As [`AppRegion::span_for`]. Inlined: every SGE of every post comes through here, and a
-    /// pinned region's span takes a few compares (the mappings of an on-demand one are
-    /// checked out of line).
+    /// As [`AppRegion::span_for`]. Inlined: cutting a span of a pinned region takes a few
+    /// compares, and every post cuts some (the mappings of an on-demand region are checked out
+    /// of line).
     #[inline]
     pub fn span_for(&self, addr: u64, len: u64, write: bool) -> Option<AppSpan> {
         let end = addr.checked_add(len)?;
