@@ -43,8 +43,10 @@ pub trait MessageReceiver: Send + Sync {
     /// An ACK or NAK from the peer's responder.
     fn ack_arrived(self: Arc<Self>, locked: &LockedWorker<'_>, header: &Header);
 
-    /// Send the ACK this QP announced with [`owe_ack`], if it still owes one.
-    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>);
+    /// Send the ACK this QP announced with [`owe_ack`], if it still owes one; with
+    /// `owed_by` (µs, [`owe_ack`]'s clock) only if it has been owed since then or earlier,
+    /// else list it again with [`still_owe_ack`].
+    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>, owed_by: Option<u64>);
 
     /// An endpoint to some peer process failed: a QP whose peer it was fails.
     fn peer_failed(self: Arc<Self>, locked: &LockedWorker<'_>);
@@ -97,11 +99,32 @@ static OWED_PROMPTLY: AtomicBool = AtomicBool::new(false);
 /// QP `qpn` holds an ACK back, hoping to piggyback it: the engine sends it (through
 /// [`MessageReceiver::send_owed_ack`]) at the latest once it has waited
 /// [`OWED_ACK_MAX_WAIT`], and sooner, when nothing else is going on, if [`ack_wanted_soon`].
-pub fn owe_ack(qpn: u32) {
+/// Returns when it became owed, which the QP keeps: the list keeps a QP whose ACK rode on a
+/// message meanwhile (it is not taken off), so only the QP knows how old its ACK is.
+pub fn owe_ack(qpn: u32) -> u64 {
+    let now = now_us();
+    list_owed_ack(qpn, now);
+    now
+}
+
+/// QP `qpn` still owes the ACK it announced at `since`, which a flush of overdue ACKs found
+/// younger than [`OWED_ACK_MAX_WAIT`]: listed again with its own age (`prompt`: its
+/// requester waits for it, see [`ack_wanted_soon`]).
+pub fn still_owe_ack(qpn: u32, since: u64, prompt: bool) {
+    list_owed_ack(qpn, since);
+    if prompt {
+        ack_wanted_soon();
+    }
+}
+
+fn list_owed_ack(qpn: u32, since: u64) {
     let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
     owed.push(qpn);
+    // Under the list's lock: the oldest entry's time, 0 only while the list is empty.
     if OWED_COUNT.fetch_add(1, Ordering::AcqRel) == 0 {
-        OWED_SINCE_US.store(now_us(), Ordering::Release);
+        OWED_SINCE_US.store(since, Ordering::Release);
+    } else {
+        OWED_SINCE_US.fetch_min(since, Ordering::AcqRel);
     }
 }
 
@@ -112,23 +135,41 @@ pub fn ack_wanted_soon() {
     OWED_PROMPTLY.store(true, Ordering::Release);
 }
 
-/// The QPs that owe an ACK, emptying the list (cheap when it is empty).
+/// The QPs that owe an ACK, each once, emptying the list (cheap when it is empty).
 pub(super) fn take_owed_acks() -> Vec<u32> {
     if OWED_COUNT.load(Ordering::Acquire) == 0 {
         return Vec::new();
     }
-    let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
-    OWED_COUNT.store(0, Ordering::Release);
-    OWED_SINCE_US.store(0, Ordering::Release);
-    OWED_PROMPTLY.store(false, Ordering::Release);
-    std::mem::take(&mut *owed)
+    let mut qpns = {
+        let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
+        OWED_COUNT.store(0, Ordering::Release);
+        OWED_SINCE_US.store(0, Ordering::Release);
+        OWED_PROMPTLY.store(false, Ordering::Release);
+        std::mem::take(&mut *owed)
+    };
+    // A QP is listed again each time it owes anew after an ACK rode on its message.
+    qpns.sort_unstable();
+    qpns.dedup();
+    qpns
 }
 
-/// Whether the ACKs owed should go once this process runs out of work: one was asked for
-/// promptly, or one is overdue.
-pub(super) fn owed_acks_wanted() -> bool {
-    (OWED_PROMPTLY.load(Ordering::Acquire) && OWED_COUNT.load(Ordering::Acquire) != 0)
-        || owed_acks_overdue()
+/// Which owed ACKs a flush sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AckFlush {
+    /// Every one: the process ran out of work, or is about to wait.
+    All,
+    /// Only those owed for longer than [`OWED_ACK_MAX_WAIT`]; younger ones stay listed.
+    Overdue,
+}
+
+/// Which ACKs should go once this process runs out of work: all, when one was asked for
+/// promptly; the overdue ones, when some may be.
+pub(super) fn owed_acks_wanted() -> Option<AckFlush> {
+    if OWED_PROMPTLY.load(Ordering::Acquire) && OWED_COUNT.load(Ordering::Acquire) != 0 {
+        Some(AckFlush::All)
+    } else {
+        owed_acks_overdue().then_some(AckFlush::Overdue)
+    }
 }
 
 /// The longest an owed ACK waits for a message to ride on or for the application to run out
@@ -136,10 +177,16 @@ pub(super) fn owed_acks_wanted() -> bool {
 /// polling, or keeps finding work, without ever sending.
 pub const OWED_ACK_MAX_WAIT: Duration = Duration::from_micros(200);
 
-/// Whether some ACK has been owed for longer than [`OWED_ACK_MAX_WAIT`].
+/// Whether some ACK may have been owed for longer than [`OWED_ACK_MAX_WAIT`] (the list's
+/// oldest entry is; its QP may have sent that ACK on a message since).
 pub(super) fn owed_acks_overdue() -> bool {
     let since = OWED_SINCE_US.load(Ordering::Acquire);
     since != 0 && now_us().saturating_sub(since) > OWED_ACK_MAX_WAIT.as_micros() as u64
+}
+
+/// The time (µs, [`owe_ack`]'s clock) an ACK must have been owed since to be overdue now.
+pub(super) fn overdue_cutoff() -> u64 {
+    now_us().saturating_sub(OWED_ACK_MAX_WAIT.as_micros() as u64)
 }
 
 /// How long until the ACKs owed now are overdue; None when none is owed.
@@ -195,4 +242,31 @@ pub(super) fn rearm(qpns: Vec<u32>) {
     let mut armed = ARMED.lock().unwrap_or_else(|p| p.into_inner());
     ARMED_COUNT.fetch_add(qpns.len(), Ordering::AcqRel);
     armed.extend(qpns);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The list of QPs owing an ACK names each once, however often it was listed, and is as
+    /// old as its oldest entry, also one listed again with an older ACK than the others'.
+    /// (No other unit test owes ACKs: none runs an engine that delivers.)
+    #[test]
+    fn the_owed_list_names_each_qp_once_and_is_as_old_as_its_oldest_ack() {
+        take_owed_acks();
+        let listed = owe_ack(0xa1);
+        owe_ack(0xa1);
+        owe_ack(0xa3);
+        assert!(!OWED_PROMPTLY.load(Ordering::Acquire));
+        still_owe_ack(0xa2, 1, true);
+        assert_eq!(OWED_SINCE_US.load(Ordering::Acquire), 1, "the oldest");
+        assert_eq!(owed_acks_wanted(), Some(AckFlush::All), "a prompt one");
+        assert_eq!(take_owed_acks(), vec![0xa1, 0xa2, 0xa3]);
+        assert_eq!(owed_acks_wanted(), None);
+        assert!(owed_acks_due_in().is_none());
+        still_owe_ack(0xa1, listed, false);
+        assert_eq!(OWED_SINCE_US.load(Ordering::Acquire), listed);
+        assert_eq!(owed_acks_wanted(), None, "neither prompt nor overdue yet");
+        take_owed_acks();
+    }
 }

@@ -30,7 +30,9 @@ pub mod multicast;
 mod progress;
 pub mod wire;
 
-pub use dispatch::{MessageReceiver, Peer, TIMER_TICK, ack_wanted_soon, arm_timer, owe_ack};
+pub use dispatch::{
+    AckFlush, MessageReceiver, Peer, TIMER_TICK, ack_wanted_soon, arm_timer, owe_ack, still_owe_ack,
+};
 pub use error::EngineError;
 pub use progress::{ProgressConfig, ProgressMode};
 
@@ -238,7 +240,7 @@ impl Engine {
         {
             // What a HCA would still do for this process: acknowledge what it delivered.
             let locked = self.worker.lock();
-            self.flush_owed_acks(&locked);
+            self.flush_owed_acks(&locked, AckFlush::All);
             self.multicast_shutdown(&locked, &groups);
             let until = std::time::Instant::now() + EXIT_DRAIN;
             while locked.progress() > 0 || std::time::Instant::now() < until {
@@ -542,7 +544,7 @@ impl Engine {
                 // to be handed an event), or go before this thread waits again
                 // (`blocking_for_event`).
                 if dispatch::owed_acks_overdue() {
-                    self.flush_owed_acks(&locked);
+                    self.flush_owed_acks(&locked, AckFlush::Overdue);
                 }
                 // Leave the fd armed again for the progress thread (or this waiter).
                 let _ = locked.arm();
@@ -570,15 +572,19 @@ impl Engine {
         if dispatch::owed_acks_due_in().is_some()
             && let Some(locked) = self.worker.try_lock()
         {
-            self.flush_owed_acks(&locked);
+            self.flush_owed_acks(&locked, AckFlush::All);
         }
     }
 
-    /// Sends every ACK a QP of this process owes its peer.
-    pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>) {
+    /// Sends the ACKs the QPs of this process owe their peers: all, or the overdue ones.
+    pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>, which: AckFlush) {
+        let owed_by = match which {
+            AckFlush::All => None,
+            AckFlush::Overdue => Some(dispatch::overdue_cutoff()),
+        };
         for qpn in dispatch::take_owed_acks() {
             if let Some(qp) = self.receiver(qpn) {
-                qp.send_owed_ack(locked);
+                qp.send_owed_ack(locked, owed_by);
             }
         }
     }

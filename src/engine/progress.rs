@@ -20,7 +20,7 @@
 //! peers when the application runs out of work, and runs the QPs' transport timers every
 //! [`super::TIMER_TICK`] while any is armed.
 
-use super::Engine;
+use super::{AckFlush, Engine};
 use crate::ucp::{self, Worker};
 use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
 use nix::unistd::Pid;
@@ -190,7 +190,7 @@ impl Activity {
         if locked.progress() > 0 {
             self.idle_app_polls.store(0, Ordering::Relaxed);
             if super::dispatch::owed_acks_overdue() {
-                engine.flush_owed_acks(&locked);
+                engine.flush_owed_acks(&locked, AckFlush::Overdue);
             }
             return;
         }
@@ -199,10 +199,13 @@ impl Activity {
         // An application that blocks for completion events polls after each one until it
         // finds nothing, then answers or blocks again: its ACKs wait for the answer (`run`).
         if idle.is_multiple_of(IDLE_POLLS_PER_ACK_FLUSH)
-            && super::dispatch::owed_acks_wanted()
-            && (!self.blocks_for_events() || super::dispatch::owed_acks_overdue())
+            && let Some(which) = super::dispatch::owed_acks_wanted()
         {
-            engine.flush_owed_acks(&locked);
+            if !self.blocks_for_events() {
+                engine.flush_owed_acks(&locked, which);
+            } else if super::dispatch::owed_acks_overdue() {
+                engine.flush_owed_acks(&locked, AckFlush::Overdue);
+            }
         }
     }
 }
@@ -411,7 +414,7 @@ pub(super) fn run(
         if super::dispatch::owed_acks_overdue()
             && let (Some(locked), Some(engine)) = (worker.try_lock(), Engine::running())
         {
-            engine.flush_owed_acks(&locked);
+            engine.flush_owed_acks(&locked, AckFlush::Overdue);
         }
         let now = activity.seen();
         if window.busy_polling(now.polls) {
@@ -498,8 +501,8 @@ pub(super) fn run(
         let held_for_answer = !spinning && activity.blocks_for_events();
         if let Some(engine) = Engine::running() {
             let answer_soon = held_for_answer || (spinning && app_polling);
-            if !answer_soon && super::dispatch::owed_acks_wanted() {
-                engine.flush_owed_acks(&locked);
+            if !answer_soon && let Some(which) = super::dispatch::owed_acks_wanted() {
+                engine.flush_owed_acks(&locked, which);
             }
             if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
                 last_peer_check = Instant::now();

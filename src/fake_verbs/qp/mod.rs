@@ -353,8 +353,8 @@ impl MessageReceiver for QueuePair {
         super::cq::with_events_deferred(|| self.on_ack(locked, header));
     }
 
-    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>) {
-        self.flush_ack(locked);
+    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>, owed_by: Option<u64>) {
+        self.send_owed_ack_by(locked, owed_by);
     }
 
     fn peer_failed(self: Arc<Self>, locked: &LockedWorker<'_>) {

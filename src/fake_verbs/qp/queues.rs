@@ -187,6 +187,8 @@ pub(super) struct Queues {
     /// The newest delivered sequence number the peer has not been told about; it rides on the
     /// next message this QP sends, or goes alone when the engine flushes owed ACKs.
     pub(super) ack_owed: Option<u32>,
+    /// When `ack_owed` last became owed after none was (µs, `engine::owe_ack`'s clock).
+    pub(super) ack_owed_since: u64,
     pub(super) acks_unsent: u32,
     /// The oldest and newest sequence numbers not yet acknowledged whose requester waits for
     /// their ACK (they came without `wire::HINT_ACK_MAY_WAIT`): an ACK that covers the oldest
@@ -264,6 +266,7 @@ impl Queues {
             dropped: 0,
             landing: VecDeque::new(),
             ack_owed: None,
+            ack_owed_since: 0,
             acks_unsent: 0,
             prompt_ack: None,
             comm_established: false,

@@ -458,9 +458,28 @@ impl QueuePair {
 
     /// Sends the ACK this QP owes, if any (the engine calls this when it flushes owed ACKs).
     pub fn flush_ack(self: &Arc<Self>, locked: &LockedWorker<'_>) {
-        self.locked_then_send(locked, |q| {
-            if let Some(seq) = take_owed_ack(q) {
-                self.send_ack(q, seq, None);
+        self.send_owed_ack_by(locked, None);
+    }
+
+    /// Sends the ACK this QP owes, if any; with `owed_by` only if it has been owed since then
+    /// or earlier (a flush of overdue ACKs), else it stays owed and listed with its own age.
+    /// (The engine's list still holds a QP whose ACK rode on a message since it was listed;
+    /// its age is that of the list's entry, not of the ACK owed now, which may be a
+    /// microsecond old: sent alone, it would go just before the answer it could ride on.)
+    pub(super) fn send_owed_ack_by(
+        self: &Arc<Self>,
+        locked: &LockedWorker<'_>,
+        owed_by: Option<u64>,
+    ) {
+        self.locked_then_send(locked, |q| match owed_ack_at_flush(q, owed_by) {
+            OwedAck::None => {}
+            OwedAck::Later => {
+                crate::engine::still_owe_ack(self.qp_num, q.ack_owed_since, q.prompt_ack.is_some())
+            }
+            OwedAck::Now => {
+                if let Some(seq) = take_owed_ack(q) {
+                    self.send_ack(q, seq, None);
+                }
             }
         });
     }
@@ -488,7 +507,7 @@ impl QueuePair {
             return;
         }
         if first {
-            crate::engine::owe_ack(self.qp_num);
+            q.ack_owed_since = crate::engine::owe_ack(self.qp_num);
         }
         if prompt {
             crate::engine::ack_wanted_soon();
@@ -543,6 +562,27 @@ pub(super) fn take_owed_ack(q: &mut Queues) -> Option<u32> {
     q.acks_unsent = 0;
     q.prompt_ack = prompt_ack_after(q.prompt_ack, seq).1;
     Some(seq)
+}
+
+/// What a flush of owed ACKs does with this QP's.
+#[derive(Debug, PartialEq, Eq)]
+enum OwedAck {
+    /// It owes none (one rode on a message since it was listed).
+    None,
+    /// It owes one younger than the flush asks for: it stays owed and is listed again.
+    Later,
+    /// It sends it alone now.
+    Now,
+}
+
+/// At a flush of owed ACKs: all of them (`owed_by` None), or those owed since `owed_by` or
+/// earlier.
+fn owed_ack_at_flush(q: &Queues, owed_by: Option<u64>) -> OwedAck {
+    match (q.ack_owed, owed_by) {
+        (None, _) => OwedAck::None,
+        (Some(_), Some(cutoff)) if q.ack_owed_since > cutoff => OwedAck::Later,
+        (Some(_), _) => OwedAck::Now,
+    }
 }
 
 /// For an acknowledgement of everything up to `seq`, given the prompt ACKs wanted
@@ -627,5 +667,22 @@ mod tests {
         assert_eq!(take_owed_ack(&mut q), Some(3));
         assert_eq!((q.ack_owed, q.acks_unsent), (None, 0));
         assert_eq!(q.prompt_ack, Some((4, 4)), "4 still waits for its ACK");
+    }
+
+    /// The engine's list of QPs owing an ACK keeps a QP whose ACK rode on a message since it
+    /// was listed, with the list's age: a flush of overdue ACKs goes by the age of the ACK the
+    /// QP owes now, else it sent ACKs a microsecond old alone, just before the answer they
+    /// would have ridden on (SPDK's target across hosts: one `sendmsg` in ten).
+    #[test]
+    fn a_flush_of_overdue_acks_sends_only_an_ack_owed_that_long() {
+        let mut q = Queues::new();
+        assert_eq!(owed_ack_at_flush(&q, None), OwedAck::None);
+        assert_eq!(owed_ack_at_flush(&q, Some(1_000)), OwedAck::None);
+        q.ack_owed = Some(7);
+        q.ack_owed_since = 1_000;
+        assert_eq!(owed_ack_at_flush(&q, Some(999)), OwedAck::Later, "younger");
+        assert_eq!(owed_ack_at_flush(&q, Some(1_000)), OwedAck::Now);
+        assert_eq!(owed_ack_at_flush(&q, Some(5_000)), OwedAck::Now);
+        assert_eq!(owed_ack_at_flush(&q, None), OwedAck::Now, "a flush of all");
     }
 }
