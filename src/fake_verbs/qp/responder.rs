@@ -456,7 +456,8 @@ impl QueuePair {
         });
     }
 
-    /// Sends the ACK this QP owes, if any (the engine calls this when it flushes owed ACKs).
+    /// Sends the ACK this QP owes, if any, whatever its age (before the QP goes: a HCA
+    /// acknowledges what it delivered).
     pub fn flush_ack(self: &Arc<Self>, locked: &LockedWorker<'_>) {
         self.send_owed_ack_by(locked, None);
     }
