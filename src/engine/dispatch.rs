@@ -253,20 +253,27 @@ mod tests {
     /// (No other unit test owes ACKs: none runs an engine that delivers.)
     #[test]
     fn the_owed_list_names_each_qp_once_and_is_as_old_as_its_oldest_ack() {
+        let since = || OWED_SINCE_US.load(Ordering::Acquire);
         take_owed_acks();
-        let listed = owe_ack(0xa1);
-        owe_ack(0xa1);
-        owe_ack(0xa3);
-        assert!(!OWED_PROMPTLY.load(Ordering::Acquire));
-        still_owe_ack(0xa2, 1, true);
-        assert_eq!(OWED_SINCE_US.load(Ordering::Acquire), 1, "the oldest");
+        // The times below (µs on the engine's clock) lie more than OWED_ACK_MAX_WAIT back.
+        now_us();
+        std::thread::sleep(Duration::from_millis(2));
+        still_owe_ack(0xa1, 900, false);
+        assert_eq!(since(), 900);
+        still_owe_ack(0xa3, 700, false);
+        assert_eq!(since(), 700, "an older one");
+        still_owe_ack(0xa1, 800, false);
+        assert_eq!(since(), 700, "a younger one changes nothing");
+        assert_eq!(owed_acks_wanted(), Some(AckFlush::Overdue), "none prompt");
+        still_owe_ack(0xa2, 300, true);
+        assert_eq!(since(), 300);
         assert_eq!(owed_acks_wanted(), Some(AckFlush::All), "a prompt one");
         assert_eq!(take_owed_acks(), vec![0xa1, 0xa2, 0xa3]);
-        assert_eq!(owed_acks_wanted(), None);
+        assert_eq!((since(), owed_acks_wanted()), (0, None));
         assert!(owed_acks_due_in().is_none());
-        still_owe_ack(0xa1, listed, false);
-        assert_eq!(OWED_SINCE_US.load(Ordering::Acquire), listed);
-        assert_eq!(owed_acks_wanted(), None, "neither prompt nor overdue yet");
-        take_owed_acks();
+        // A QP owing anew: listed as old as the time owe_ack gave it.
+        let listed = owe_ack(0xa4);
+        assert_eq!(since(), listed);
+        assert_eq!(take_owed_acks(), vec![0xa4]);
     }
 }
