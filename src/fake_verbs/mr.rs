@@ -639,10 +639,21 @@ fn checked_sge(
 /// Whether `sges` name live, pinned (not on-demand) memory of `pd` with local write access
 /// (what [`local_spans_cached`] would cut for a receive), without cutting spans.
 pub fn receive_sges_pinned(pd: &Arc<ProtectionDomain>, sges: &[Sge], cache: &mut KeyCache) -> bool {
-    sges.iter().filter(|s| s.length > 0).all(|sge| {
-        checked_sge(pd, sge, true, cache)
-            .is_some_and(|(region, addr)| region.holds_pinned(addr, u64::from(sge.length)))
-    })
+    sges.iter()
+        .filter(|s| s.length > 0)
+        .all(|sge| pinned_receive_sge(pd, sge, cache).is_some())
+}
+
+/// One receive SGE checked for local writing whose whole range lies in live, pinned (not
+/// on-demand) memory: its region and address in this process.
+#[inline]
+fn pinned_receive_sge(
+    pd: &Arc<ProtectionDomain>,
+    sge: &Sge,
+    cache: &mut KeyCache,
+) -> Option<(RegionExtent, u64)> {
+    checked_sge(pd, sge, true, cache)
+        .filter(|(region, addr)| region.holds_pinned(*addr, u64::from(sge.length)))
 }
 
 /// Lands `bytes` in a receive WR's single SGE, checked as [`local_spans_cached`] checks it for
@@ -663,9 +674,8 @@ pub fn land_in_one_pinned_sge(
     }
     // The whole SGE must lie in the region, as a cut span would (a receive WR with a bad SGE
     // fails whatever the message's length); write_pinned checks only the bytes it writes.
-    checked_sge(pd, sge, true, cache).is_some_and(|(region, addr)| {
-        region.holds_pinned(addr, u64::from(sge.length)) && region.write_pinned(addr, bytes)
-    })
+    pinned_receive_sge(pd, sge, cache)
+        .is_some_and(|(region, addr)| region.write_pinned(addr, bytes))
 }
 
 /// [`local_spans`], looking lkeys up through `cache`.
