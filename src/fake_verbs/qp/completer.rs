@@ -201,6 +201,11 @@ impl QueuePair {
             q.acked_psn = seq;
             q.timer.progressed();
         }
+        if q.sq.is_empty() {
+            // Nothing to release (a SEND that completed at post time): no CQ batch to open.
+            self.check_drained(q);
+            return;
+        }
         for e in q.sq.iter_mut() {
             if wire::psn_before(seq, e.seq) {
                 break;

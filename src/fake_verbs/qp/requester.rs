@@ -56,10 +56,9 @@ impl QueuePair {
         let mut first: Option<DataMessage> = None;
         let mut rest: Vec<DataMessage> = Vec::new();
         let posted = self.locked_then_send(locked, |q| {
-            let mut keys = std::mem::take(&mut q.send_keys);
             let mut posted = Ok(());
             for (i, req) in requests.into_iter().enumerate() {
-                match req.and_then(|r| self.post_send_locked(q, r, None, &mut keys)) {
+                match req.and_then(|r| self.post_send_locked(q, r, None)) {
                     Ok(Some(m)) if first.is_none() => first = Some(m),
                     Ok(Some(m)) => rest.push(m),
                     Ok(None) => {}
@@ -69,7 +68,6 @@ impl QueuePair {
                     }
                 }
             }
-            q.send_keys = keys;
             posted
         });
         // The messages themselves are sent straight from here (the hot path), the queue lock
@@ -177,12 +175,8 @@ impl QueuePair {
         }
         let datagram_to = Some(ud.ah.endpoint(locked));
         let group = ud.ah.group().copied();
-        let message = self.locked_then_send(locked, |q| {
-            let mut keys = std::mem::take(&mut q.send_keys);
-            let message = self.post_send_locked(q, req, datagram_to, &mut keys);
-            q.send_keys = keys;
-            message
-        })?;
+        let message =
+            self.locked_then_send(locked, |q| self.post_send_locked(q, req, datagram_to))?;
         match (message, group) {
             // A datagram to a multicast group: the engine replicates it.
             (Some(m), Some(mgid)) => self.send_to_group(locked, &mgid, m),
@@ -293,9 +287,7 @@ impl QueuePair {
         let Some((op, length)) = self.check_send(&q, req)? else {
             return Ok(false);
         };
-        let mut keys = std::mem::take(&mut q.send_keys);
-        let done = self.try_direct(&mut q, req, op, length, &mut keys);
-        q.send_keys = keys;
+        let done = self.try_direct(&mut q, req, op, length);
         debug_assert!(q.outbox.is_empty(), "a direct WR queued UCX work");
         Ok(done.is_some())
     }
@@ -307,7 +299,6 @@ impl QueuePair {
         q: &mut Queues,
         req: SendRequest,
         datagram_to: Option<Option<Arc<Endpoint>>>,
-        keys: &mut KeyCache,
     ) -> Result<Option<DataMessage>, VerbsError> {
         match q.state {
             QpState::Rts | QpState::Sqd => {}
@@ -344,7 +335,7 @@ impl QueuePair {
             // Memory-window work of this process: done now, in post order (`local.rs`).
             return self.post_local_operation(q, req);
         };
-        if let Some(done) = self.try_direct(q, &req, op, length, keys) {
+        if let Some(done) = self.try_direct(q, &req, op, length) {
             return Ok(done);
         }
         let seq = q.next_send_seq;
@@ -370,7 +361,9 @@ impl QueuePair {
             None => {
                 // READ and atomics land in local memory: it must be writable.
                 let lands_here = !matches!(op, Op::Send | Op::Write);
-                let Some(spans) = local_spans_cached(&self.pd, &req.sges, lands_here, keys) else {
+                let Some(spans) =
+                    local_spans_cached(&self.pd, &req.sges, lands_here, &mut q.send_keys)
+                else {
                     tracing::debug!(
                         "qp {:#x}: wr_id {} has a bad lkey or range",
                         self.qp_num,
@@ -649,10 +642,9 @@ impl QueuePair {
         req: &SendRequest,
         op: Op,
         length: u64,
-        keys: &mut KeyCache,
     ) -> Option<Option<DataMessage>> {
         if op == Op::Send {
-            return self.try_direct_send(q, req, length, keys);
+            return self.try_direct_send(q, req, length);
         }
         let kind = match (op, req.opcode) {
             (Op::Write, SendOpcode::RdmaWrite) => DirectAccess::Write,
@@ -674,7 +666,7 @@ impl QueuePair {
         // A peer on another host has no shared memory: known before scanning the queue.
         q.peer.as_ref()?.memory.as_ref()?;
         let lands_here = kind != DirectAccess::Write;
-        let spans = self.direct_spans(q, req, lands_here, keys)?;
+        let spans = self.direct_spans(q, req, lands_here)?;
         let peer = q.peer.as_ref()?;
         peer.memory
             .as_ref()?
@@ -702,12 +694,11 @@ impl QueuePair {
         q: &mut Queues,
         req: &SendRequest,
         lands_here: bool,
-        keys: &mut KeyCache,
     ) -> Option<SpanList> {
         if !self.nothing_on_its_way(q) {
             return None;
         }
-        self.local_spans(req, lands_here, keys)
+        self.local_spans(req, lands_here, &mut q.send_keys)
     }
 
     /// Whether every request posted so far took effect at the responder: none is waiting for
@@ -796,7 +787,6 @@ impl QueuePair {
         q: &mut Queues,
         req: &SendRequest,
         length: u64,
-        keys: &mut KeyCache,
     ) -> Option<Option<DataMessage>> {
         let imm = match req.opcode {
             SendOpcode::Send => None,
@@ -812,7 +802,7 @@ impl QueuePair {
             .memory
             .as_ref()
             .filter(|m| m.takes_placed_sends(peer.qpn))?;
-        let spans = self.local_spans(req, false, keys)?;
+        let spans = self.local_spans(req, false, &mut q.send_keys)?;
         let psn = q.next_send_seq;
         let send = direct::SendToRing {
             spans: &spans,
