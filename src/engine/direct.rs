@@ -25,7 +25,7 @@ use crate::shared_memory::{
     Backing, ENTRY_DATA, MAX_ENTRIES, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, QpSlot, Table,
     read_process, write_process,
 };
-use crate::ucp::AppSpan;
+use crate::ucp::{AppSpan, total_len};
 use rustc_hash::FxBuildHasher;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -829,7 +829,7 @@ impl PeerMemory {
         if ring.expected_psn() != psn {
             return Err(Refused::NotPublished);
         }
-        let len: usize = spans.iter().map(AppSpan::len).sum();
+        let len = total_len(spans);
         // The WR's posted slot says whether it is posted (no count of posted WRs is read:
         // that line would move between the two processes' caches on every post and SEND),
         // and what was read of it stays known until the owner withdraws its QP.

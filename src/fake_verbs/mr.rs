@@ -639,9 +639,14 @@ fn checked_sge(
 /// Whether `sges` name live, pinned (not on-demand) memory of `pd` with local write access
 /// (what [`local_spans_cached`] would cut for a receive), without cutting spans.
 pub fn receive_sges_pinned(pd: &Arc<ProtectionDomain>, sges: &[Sge], cache: &mut KeyCache) -> bool {
-    sges.iter()
-        .filter(|s| s.length > 0)
-        .all(|sge| pinned_receive_sge(pd, sge, cache).is_some())
+    let pinned = |sge: &Sge, cache: &mut KeyCache| {
+        sge.length == 0 || pinned_receive_sge(pd, sge, cache).is_some()
+    };
+    match sges {
+        // Most receive WRs (one per SEND placed): no iterator to set up.
+        [one] => pinned(one, cache),
+        _ => sges.iter().all(|sge| pinned(sge, cache)),
+    }
 }
 
 /// One receive SGE checked for local writing whose whole range lies in live, pinned (not

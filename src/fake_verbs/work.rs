@@ -148,8 +148,17 @@ impl SendRequest {
         }
         match &self.inline_data {
             Some(d) => d.len() as u64,
-            None => self.sges.iter().map(|s| u64::from(s.length)).sum(),
+            None => sges_length(&self.sges),
         }
+    }
+}
+
+/// The bytes of a gather or scatter list in all; one SGE (most WRs) read without a loop.
+#[inline]
+pub fn sges_length(sges: &[Sge]) -> u64 {
+    match sges {
+        [one] => u64::from(one.length),
+        _ => sges.iter().map(|s| u64::from(s.length)).sum(),
     }
 }
 
@@ -163,7 +172,7 @@ pub struct RecvRequest {
 impl RecvRequest {
     /// The bytes its buffers hold (its SGEs' lengths added up).
     pub fn room(&self) -> u64 {
-        self.sges.iter().map(|s| u64::from(s.length)).sum()
+        sges_length(&self.sges)
     }
 }
 

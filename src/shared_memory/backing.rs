@@ -19,7 +19,7 @@
 //! (a private file mapping, a file no descriptor holds any more) keeps to the message path.
 
 use super::{Mapping, file_identity, memfd, open_peer_fd, page_size};
-use crate::ucp::AppSpan;
+use crate::ucp::{AppSpan, total_len};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 
@@ -357,7 +357,7 @@ impl PeerBacking {
 
     /// Copies the bytes of `spans`, in order, to `offset` in the peer's memory.
     pub fn write(&self, offset: u64, spans: &[AppSpan]) -> io::Result<()> {
-        let total: usize = spans.iter().map(AppSpan::len).sum();
+        let total = total_len(spans);
         let mut at = self.check(offset, total)?;
         for s in spans {
             // SAFETY: `s` is a checked span of registered (or ugdr-owned) memory, valid for
@@ -403,7 +403,7 @@ impl PeerBacking {
 
     /// Copies bytes at `offset` in the peer's memory into `spans`, in order.
     pub fn read(&self, offset: u64, spans: &[AppSpan]) -> io::Result<()> {
-        let total: usize = spans.iter().map(AppSpan::len).sum();
+        let total = total_len(spans);
         let mut at = self.check(offset, total)?;
         for s in spans {
             // SAFETY: `s` is a checked span of registered memory with local write access,

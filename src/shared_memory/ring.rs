@@ -12,7 +12,7 @@
 //! entry's line(s) to the owner, and a post one slot line in four to the peer.
 
 use super::{Mapping, file_identity, memfd, open_peer_fd};
-use crate::ucp::AppSpan;
+use crate::ucp::{AppSpan, total_len};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -418,7 +418,7 @@ impl ReceiveRing {
     /// [`ENTRY_DATA`] in all).
     #[inline]
     fn write_data(&self, index: u64, spans: &[AppSpan]) -> io::Result<()> {
-        let total: usize = spans.iter().map(AppSpan::len).sum();
+        let total = total_len(spans);
         if total > ENTRY_DATA {
             return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
         }

@@ -1,7 +1,7 @@
 //! `ucp_ep`: a connection to a remote worker, and active-message send.
 
 use super::Error;
-use super::memory::{AppSpan, Hold, SpanList, gather_into, hold_all};
+use super::memory::{AppSpan, Hold, SpanList, gather_into, hold_all, total_len};
 use super::worker::{LockedWorker, Worker};
 use crate::sys::{self, ucs};
 use smallvec::SmallVec;
@@ -301,7 +301,7 @@ impl Endpoint {
         // list of holds is built and none outlives the copy (scripts/instructions 64:
         // ~4,650 -> ~4,500 per SEND). UCX copies it once more into its FIFO either way.
         if let SendPayload::Spans(spans) = &payload {
-            let body: usize = spans.iter().map(AppSpan::len).sum();
+            let body = total_len(spans);
             if header.len() + self.trailer.len() + body <= IMMEDIATE_MAX {
                 let mut staged = [0u8; IMMEDIATE_MAX];
                 let n = gather_into(spans, &mut staged[..body]);

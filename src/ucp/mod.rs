@@ -23,7 +23,7 @@ pub use endpoint::{Endpoint, ErrorHandler, OwnedBytes, SendDone, SendPayload, Se
 pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
     AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, RegionExtent, SpanList,
-    anything_registered, gather, gather_into, hold_all, invalidate_range, scatter,
+    anything_registered, gather, gather_into, hold_all, invalidate_range, scatter, total_len,
 };
 pub use status::Error;
 pub use worker::{
