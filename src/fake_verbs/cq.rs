@@ -165,9 +165,6 @@ impl Poller<'_> {
 
 type PlacedSource = (Arc<OwnReceiveRing>, Weak<dyn PlacedArrivals>);
 
-/// The QPs whose rings hold placed SENDs: the first found, and any others.
-type WithPlaced = (Arc<dyn PlacedArrivals>, Vec<Arc<dyn PlacedArrivals>>);
-
 impl CompletionQueue {
     pub fn new(
         context: Arc<DeviceContext>,
@@ -404,38 +401,32 @@ impl CompletionQueue {
         self.placed_count.store(sources.len(), Ordering::Relaxed);
     }
 
-    /// The QPs whose rings hold placed SENDs, if any (their first, and the others).
-    fn with_placed(&self) -> Option<WithPlaced> {
-        // An empty poll spins through here: it only reads each ring's cursor, and builds
-        // nothing (most CQs have one ring; a second one found is kept in a Vec).
-        let mut first = None;
-        let mut more = Vec::new();
-        let sources = self
-            .placed_sources
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        for (ring, qp) in sources.iter() {
-            if ring.arrived()
-                && let Some(qp) = qp.upgrade()
-            {
-                if first.is_none() {
-                    first = Some(qp);
-                } else {
-                    more.push(qp);
-                }
-            }
-        }
-        first.map(|f| (f, more))
-    }
-
     /// Has the QPs whose rings hold placed SENDs complete them (without this CQ's locks: a
     /// QP's lock comes before its CQs'); receives that complete here go straight to `poller`
     /// where they may (see [`PlacedArrivals::complete_placed_for`]).
     fn complete_placed(&self, mut poller: Option<&mut Poller<'_>>) {
-        let Some((first, more)) = self.with_placed() else {
+        // An empty poll spins through here: it only reads each ring's cursor, and builds
+        // nothing.
+        let sources = self
+            .placed_sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let [(ring, qp)] = sources.as_slice() {
+            // Most CQs: one ring.
+            let qp = if ring.arrived() { qp.upgrade() } else { None };
+            drop(sources);
+            if let Some(qp) = qp {
+                qp.complete_placed_for(self, poller);
+            }
             return;
-        };
-        for qp in std::iter::once(first).chain(more) {
+        }
+        let found: Vec<Arc<dyn PlacedArrivals>> = sources
+            .iter()
+            .filter(|(ring, _)| ring.arrived())
+            .filter_map(|(_, qp)| qp.upgrade())
+            .collect();
+        drop(sources);
+        for qp in found {
             qp.complete_placed_for(self, poller.as_deref_mut());
         }
     }

@@ -137,9 +137,8 @@ impl QueuePair {
         if q.placed_failed || !ring.arrived() {
             return false;
         }
-        let mut bytes = [0u8; SEND_MAX];
         while poller.as_ref().is_none_or(|p| p.room() > 0)
-            && let Some(placed) = ring.take_placed(&mut bytes)
+            && let Some(placed) = ring.take_placed(&mut q.placed_bytes[..])
         {
             let Some(wr) = q.rq.pop_front() else {
                 break; // the ring runs ahead of the queue only if the peer broke the protocol
@@ -164,12 +163,17 @@ impl QueuePair {
                 // The peer checked the room it read in the ring; one that wrote more than the
                 // WR holds broke the protocol: nothing lands.
                 Err(WcStatus::LocLenErr)
-            } else if land_in_one_pinned_sge(&self.pd, &wr.sges, &bytes[..len], &mut q.recv_keys) {
+            } else if land_in_one_pinned_sge(
+                &self.pd,
+                &wr.sges,
+                &q.placed_bytes[..len],
+                &mut q.recv_keys,
+            ) {
                 Ok(()) // most receives: one SGE of pinned memory
             } else {
                 local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
                     .map(|spans| {
-                        crate::ucp::scatter(&spans, &bytes[..len]);
+                        crate::ucp::scatter(&spans, &q.placed_bytes[..len]);
                     })
                     .ok_or(WcStatus::LocProtErr)
             };

@@ -10,7 +10,7 @@ use super::super::qp_state::QpState;
 use super::super::work::{RecvRequest, WcOpcode, WcStatus, WorkCompletion};
 use super::{AppSpan, QpAttributes, QueuePair};
 use crate::engine::Peer;
-use crate::engine::direct::PeerRing;
+use crate::engine::direct::{PeerRing, SEND_MAX};
 use crate::engine::wire::{self, Header, Op};
 use crate::ucp::{AmData, AmPayload, Endpoint, LockedWorker, SendPayload, SpanList};
 use smallvec::SmallVec;
@@ -210,6 +210,9 @@ pub(super) struct Queues {
     pub(super) peer_ring: PeerRing,
     /// Responder: a receive WR a peer placed a SEND in failed; no later one completes.
     pub(super) placed_failed: bool,
+    /// Responder: where a placed SEND's bytes are read out of the ring before they land
+    /// (kept, not a fresh zeroed array on the stack at every poll).
+    pub(super) placed_bytes: Box<[u8; SEND_MAX]>,
 }
 
 /// Most messages an RC QP in RTR keeps for later (ahead of sequence, or waiting for a receive
@@ -277,6 +280,7 @@ impl Queues {
             recv_keys: KeyCache::default(),
             peer_ring: PeerRing::default(),
             placed_failed: false,
+            placed_bytes: Box::new([0; SEND_MAX]),
         }
     }
 }
