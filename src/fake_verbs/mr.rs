@@ -804,6 +804,33 @@ mod tests {
     }
 
     #[test]
+    fn receive_sges_are_pinned_only_when_every_sge_with_bytes_passes_the_checks() {
+        let pd = pd();
+        let dm = crate::fake_verbs::dm::DeviceMemory::allocate(&pd.context, 4096, 0).unwrap();
+        let a = dm.region(0, 4096).unwrap().addr();
+        let mr = MemoryRegion::register(&pd, dm.region(0, 4096).unwrap(), a, ACCESS_LOCAL_WRITE)
+            .unwrap();
+        let sge = |addr: u64, length: u32, lkey: u32| Sge { addr, length, lkey };
+        let good = sge(a, 64, mr.lkey());
+        let bad = sge(a, 64, mr.lkey() ^ 0x100);
+        let past_end = sge(a + 4090, 64, mr.lkey());
+        let empty_bad = sge(0, 0, mr.lkey() ^ 0x100);
+        let mut cache = KeyCache::default();
+        let mut pinned = |sges: &[Sge]| receive_sges_pinned(&pd, sges, &mut cache);
+        assert!(pinned(&[good]));
+        assert!(!pinned(&[bad]), "unknown lkey");
+        assert!(!pinned(&[past_end]), "range past the region");
+        assert!(pinned(&[empty_bad]), "an empty SGE holds nothing to check");
+        assert!(pinned(&[]), "no SGE");
+        assert!(pinned(&[good, empty_bad, good]));
+        assert!(!pinned(&[good, bad]), "the second SGE counts too");
+        assert!(!pinned(&[good, good, past_end]), "and the last");
+        mr.reregister(&pd, dm.region(0, 4096).unwrap(), a, 0)
+            .unwrap();
+        assert!(!pinned(&[good]), "no local write");
+    }
+
+    #[test]
     fn a_kept_key_cache_sees_every_reregistration_and_deregistration() {
         let pd = pd();
         let buf = vec![0u8; 8192];

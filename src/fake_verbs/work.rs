@@ -296,3 +296,33 @@ impl WorkCompletion {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gather_list_is_as_long_as_its_sges_added_up() {
+        let sge = |length: u32| Sge {
+            addr: 0,
+            length,
+            lkey: 1,
+        };
+        assert_eq!(sges_length(&[]), 0);
+        assert_eq!(sges_length(&[sge(64)]), 64);
+        assert_eq!(
+            sges_length(&[sge(64), sge(0), sge(u32::MAX)]),
+            64 + u64::from(u32::MAX)
+        );
+        let recv = RecvRequest {
+            wr_id: 1,
+            sges: [sge(8), sge(16)].into_iter().collect(),
+        };
+        assert_eq!(recv.room(), 24);
+        let mut send = SendRequest::new(2, SendOpcode::Send);
+        send.sges = [sge(5), sge(6), sge(7), sge(8), sge(9)]
+            .into_iter()
+            .collect();
+        assert_eq!(send.length(), 35, "an SGE list spilled off the stack");
+    }
+}

@@ -847,6 +847,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_span_list_is_as_long_as_its_spans_added_up() {
+        let bytes = [0u8; 100];
+        let span = |n: usize| AppSpan::of_owned(&bytes[..n]);
+        assert_eq!(total_len(&[]), 0);
+        assert_eq!(total_len(&[span(7)]), 7);
+        assert_eq!(total_len(&[span(7), span(0), span(90)]), 97);
+        assert_eq!(
+            total_len(&[span(1), span(2), span(3), span(4), span(5)]),
+            15
+        );
+    }
+
+    #[test]
     fn invalidation_kills_overlapping_regions_only_and_dead_spans_drop_writes_and_read_zeros() {
         let mut a = vec![7u8; 64];
         let mut b = vec![7u8; 64];
