@@ -13,7 +13,7 @@ use crate::fake_verbs::qp::{
 };
 use crate::fake_verbs::qp_state::{AttrMask, QpState, QpType};
 use crate::fake_verbs::work::{
-    InlineData, RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination,
+    InlineData, RecvRequest, SendOpcode, SendRequest, Sge, SgeList, UdDestination, sges_length,
 };
 use crate::sys::*;
 use crate::ucp::LockedWorker;
@@ -658,7 +658,7 @@ unsafe fn send_request(
     let sges = unsafe { read_sges(w.sg_list, w.num_sge, caps.max_send_sge) }?;
     let inline = w.send_flags & SEND_INLINE != 0;
     let inline_data = if inline {
-        if sges.iter().map(|s| u64::from(s.length)).sum::<u64>() > u64::from(caps.max_inline_data) {
+        if sges_length(&sges) > u64::from(caps.max_inline_data) {
             return Err(VerbsError::Invalid("inline data above max_inline_data"));
         }
         // SAFETY: an inline WR's SGEs name the application's bytes, valid during the post.

@@ -16,7 +16,7 @@ use crate::fake_verbs::mr::MemoryRegion;
 use crate::fake_verbs::pd::ProtectionDomain;
 use crate::fake_verbs::qp::{QpCaps, QueuePair};
 use crate::fake_verbs::qp_state::QpType;
-use crate::fake_verbs::work::{RecvRequest, SendRequest, Sge, WorkCompletion};
+use crate::fake_verbs::work::{RecvRequest, SendRequest, Sge, WorkCompletion, sges_length};
 use crate::topology;
 use crate::ugdr::address::{ADDR_LEN, PortAddress};
 use crate::ugdr::modify::{UgdrModify, plan};
@@ -726,8 +726,7 @@ unsafe fn send_request(w: &ugdr_send_wr, caps: &QpCaps) -> Result<SendRequest, V
     // SAFETY: sg_list/num_sge of the same WR.
     let sges = unsafe { read_sges(w.sg_list, w.num_sge, caps.max_send_sge) }?;
     let inline_data = if w.send_flags & SEND_INLINE != 0 {
-        let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
-        if total > u64::from(caps.max_inline_data) {
+        if sges_length(&sges) > u64::from(caps.max_inline_data) {
             return Err(VerbsError::Invalid("inline data above the QP's limit"));
         }
         // SAFETY: inline SGEs name application bytes valid during this call (their lkeys are

@@ -41,7 +41,7 @@ impl SendPayload {
     pub fn len(&self) -> usize {
         match self {
             SendPayload::None => 0,
-            SendPayload::Spans(spans) => spans.iter().map(AppSpan::len).sum(),
+            SendPayload::Spans(spans) => total_len(spans),
             SendPayload::Owned(bytes) => bytes.len(),
         }
     }
@@ -316,10 +316,7 @@ impl Endpoint {
             SendPayload::Spans(spans) => match hold_all(&spans) {
                 Some(held) => (SendPayload::Spans(spans), held),
                 None => (
-                    SendPayload::Owned(OwnedBytes::from_elem(
-                        0,
-                        spans.iter().map(AppSpan::len).sum(),
-                    )),
+                    SendPayload::Owned(OwnedBytes::from_elem(0, total_len(&spans))),
                     SmallVec::new(),
                 ),
             },

@@ -242,7 +242,7 @@ impl QueuePair {
             let Some(spans) = e.response_into.clone() else {
                 return false;
             };
-            let room: usize = spans.iter().map(|s| s.len()).sum();
+            let room = crate::ucp::total_len(&spans);
             let len = match &payload {
                 AmPayload::Transient(bytes) => bytes.len(),
                 AmPayload::Persistent(data) | AmPayload::Rendezvous(data) => data.len(),
