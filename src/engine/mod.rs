@@ -31,7 +31,8 @@ mod progress;
 pub mod wire;
 
 pub use dispatch::{
-    AckFlush, MessageReceiver, Peer, TIMER_TICK, ack_wanted_soon, arm_timer, owe_ack, still_owe_ack,
+    ACK_BATCH_POLLS, AckFlush, MessageReceiver, OwedAckCutoff, Peer, TIMER_TICK, ack_batch_full,
+    ack_wanted_soon, arm_timer, full_batch_cutoff, owe_ack, still_owe_ack,
 };
 pub use error::EngineError;
 pub use progress::{ProgressConfig, ProgressMode};
@@ -515,6 +516,11 @@ impl Engine {
         self.activity.progress_from_app(self, false);
     }
 
+    /// The application's `ibv_poll_cq` progress calls so far (see [`full_batch_cutoff`]).
+    pub fn app_polls(&self) -> u64 {
+        self.activity.polls()
+    }
+
     /// The application posted work (an answer is expected soon: the adaptive progress thread
     /// stays awake for it).
     pub fn note_post(&self) {
@@ -578,13 +584,17 @@ impl Engine {
 
     /// Sends the ACKs the QPs of this process owe their peers: all, or the overdue ones.
     pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>, which: AckFlush) {
-        let owed_by = match which {
-            AckFlush::All => None,
-            AckFlush::Overdue => Some(dispatch::overdue_cutoff()),
+        let cutoff = match which {
+            AckFlush::All => OwedAckCutoff::Any,
+            AckFlush::Overdue => OwedAckCutoff::OwedSince(dispatch::overdue_cutoff()),
+            AckFlush::FullBatches(poll) => OwedAckCutoff::FullBatchSincePoll {
+                poll,
+                time: dispatch::overdue_cutoff(),
+            },
         };
         for qpn in dispatch::take_owed_acks() {
             if let Some(qp) = self.receiver(qpn) {
-                qp.send_owed_ack(locked, owed_by);
+                qp.send_owed_ack(locked, cutoff);
             }
         }
     }

@@ -187,6 +187,11 @@ impl Activity {
             return;
         };
         BUSY_WORKER_POLLS.set(0);
+        // A full batch's ACK that no answer took since it became owed, polls ago, goes alone.
+        if super::dispatch::ack_batches_full() {
+            let cutoff = super::dispatch::full_batch_cutoff(self.polls());
+            engine.flush_owed_acks(&locked, AckFlush::FullBatches(cutoff));
+        }
         if locked.progress() > 0 {
             self.idle_app_polls.store(0, Ordering::Relaxed);
             if super::dispatch::owed_acks_overdue() {
@@ -249,6 +254,11 @@ struct Seen {
 }
 
 impl Activity {
+    /// The application's `ibv_poll_cq` progress calls so far.
+    pub(super) fn polls(&self) -> u64 {
+        self.app_polls.load(Ordering::Relaxed)
+    }
+
     fn seen(&self) -> Seen {
         Seen {
             polls: self.app_polls.load(Ordering::Relaxed),

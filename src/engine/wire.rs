@@ -245,9 +245,15 @@ pub const BUNDLE_MAX: usize = 65536 - 256;
 /// list while the rest is on its way. Measured across two namespaces (`scripts/spdk --netns`,
 /// SPDK's randrw q16): every bundle up to 64 KiB ~205k IOPS; up to 20 KiB ~255k, but
 /// `ib_send_bw -l 8 -s 8192` then fell from ~3.2 to ~2.0 GB/s; the first up to 20 KiB and
-/// the rest up to 64 KiB: ~258k and ~2.8 GB/s. (8 KiB: ~190k; 32 KiB: ~205k; UCX's segment
-/// size, `UCX_TCP_TX_SEG_SIZE`, changed none of these.)
-pub const FIRST_BUNDLE_MAX: usize = 20 << 10;
+/// the rest up to 64 KiB: ~258k and ~2.8 GB/s. (8 KiB: ~190k; UCX's segment size,
+/// `UCX_TCP_TX_SEG_SIZE`, changed none of these.) A first bundle of 32–36 KiB did no better
+/// then because a full batch of 16 deliveries sent its ACK alone in the middle of delivering
+/// it; since that ACK waits for the application's answer (`engine::ACK_BATCH_POLLS`), 36 KiB
+/// carries about eight of SPDK's I/Os per `sendmsg`, as its NVMe/TCP does: 0.12–0.13 `sendmsg`
+/// per I/O on each side instead of 0.20–0.22, and more IOPS in 12 of 15 alternating pairs of
+/// runs (in the last four, 15 s each, 12–37% more: 176–229k against 157–170k);
+/// `ib_send_bw -l 8 -s 8192` and bdevperf's 4 KiB verify unchanged within their noise.
+pub const FIRST_BUNDLE_MAX: usize = 36 << 10;
 
 /// The AM header of a bundle.
 pub fn bundle_header() -> [u8; HEADER_LEN] {

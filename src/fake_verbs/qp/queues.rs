@@ -189,6 +189,8 @@ pub(super) struct Queues {
     pub(super) ack_owed: Option<u32>,
     /// When `ack_owed` last became owed after none was (µs, `engine::owe_ack`'s clock).
     pub(super) ack_owed_since: u64,
+    /// The application's poll (`Engine::app_polls`) in which `ack_owed` became owed.
+    pub(super) ack_owed_poll: u64,
     pub(super) acks_unsent: u32,
     /// The oldest and newest sequence numbers not yet acknowledged whose requester waits for
     /// their ACK (they came without `wire::HINT_ACK_MAY_WAIT`): an ACK that covers the oldest
@@ -270,6 +272,7 @@ impl Queues {
             landing: VecDeque::new(),
             ack_owed: None,
             ack_owed_since: 0,
+            ack_owed_poll: 0,
             acks_unsent: 0,
             prompt_ack: None,
             comm_established: false,

@@ -6,9 +6,10 @@
 //! RNR-NAKed, the requester sends it again), checks rkeys and access before a WRITE, READ or
 //! atomic touches memory (else NAK, QP to ERR), executes READs and atomics after every
 //! earlier request took effect, and acknowledges what took effect (coalesced: on the next
-//! outgoing message, every [`ACK_BATCH`] deliveries, or when the engine flushes owed ACKs;
-//! those no completion at the requester waits for, every [`LAZY_ACK_BATCH`] deliveries, or
-//! when the engine flushes ACKs that are overdue).
+//! outgoing message, after [`ACK_BATCH`] deliveries once the application had its chance to
+//! answer them, or when the engine flushes owed ACKs; those no completion at the requester
+//! waits for, after [`LAZY_ACK_BATCH`] deliveries so, or when the engine flushes ACKs that
+//! are overdue).
 //! Everything else is dropped and counted (`UGDR_LOG=debug` shows the count). Where the data
 //! lands is [`super::receive`].
 
@@ -22,18 +23,24 @@ use super::queues::{
     Body, Deferred, Landing, MAX_KEPT_BYTES, MAX_KEPT_MESSAGES, Pending, Queues, Response, keep,
     needs_receive,
 };
+use crate::engine::OwedAckCutoff;
 use crate::engine::wire::{self, Header, Nak, Op};
 use crate::ucp::{AmPayload, AppSpan, LockedWorker, SendPayload};
 use smallvec::SmallVec;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// At most this many delivered messages go unacknowledged before an ACK is sent at once, while
-/// the requester waits for one of them (see [`note_prompt_ack`]) ...
+/// A full batch: this many delivered messages unacknowledged, while the requester waits for
+/// one of them (see [`note_prompt_ack`]) ...
 const ACK_BATCH: u32 = 16;
 /// ... and while it waits for none: it only holds their copies for sending again, and its
 /// send queue's slots as its application sees them free at a later signaled WR's completion.
+/// A full batch's ACK goes alone once the application has polled `engine::ACK_BATCH_POLLS`
+/// times without answering (`engine::ack_batch_full`), ...
 const LAZY_ACK_BATCH: u32 = 64;
+/// ... or at once when this many full batches are owed (a stream the progress thread delivers
+/// while the application does not poll).
+const FULL_BATCHES_HELD: u32 = 4;
 
 /// This process's reliable responders: requests delivered, and ACKs that went as messages of
 /// their own (not riding on a message back). `UGDR_LOG=debug` shows both at each power of two
@@ -459,24 +466,27 @@ impl QueuePair {
     /// Sends the ACK this QP owes, if any, whatever its age (before the QP goes: a HCA
     /// acknowledges what it delivered).
     pub fn flush_ack(self: &Arc<Self>, locked: &LockedWorker<'_>) {
-        self.send_owed_ack_by(locked, None);
+        self.send_owed_ack_by(locked, OwedAckCutoff::Any);
     }
 
-    /// Sends the ACK this QP owes, if any; with `owed_by` only if it has been owed since then
-    /// or earlier (a flush of overdue ACKs), else it stays owed and listed with its own age.
+    /// Sends the ACK this QP owes, if any and `cutoff` takes it (a flush of overdue ACKs, or
+    /// of full batches), else it stays owed and listed with its own age.
     /// (The engine's list still holds a QP whose ACK rode on a message since it was listed;
     /// its age is that of the list's entry, not of the ACK owed now, which may be a
     /// microsecond old: sent alone, it would go just before the answer it could ride on.)
     pub(super) fn send_owed_ack_by(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
-        owed_by: Option<u64>,
+        cutoff: OwedAckCutoff,
     ) {
-        self.locked_then_send(locked, |q| match owed_ack_at_flush(q, owed_by) {
+        self.locked_then_send(locked, |q| match owed_ack_at_flush(q, cutoff) {
             OwedAck::None => {}
-            OwedAck::Later => {
-                crate::engine::still_owe_ack(self.qp_num, q.ack_owed_since, q.prompt_ack.is_some())
-            }
+            OwedAck::Later => crate::engine::still_owe_ack(
+                self.qp_num,
+                q.ack_owed_since,
+                q.prompt_ack.is_some(),
+                batch_full(q),
+            ),
             OwedAck::Now => {
                 if let Some(seq) = take_owed_ack(q) {
                     self.send_ack(q, seq, None);
@@ -502,13 +512,20 @@ impl QueuePair {
         q.ack_owed = Some(seq);
         q.acks_unsent += 1;
         let prompt = prompt_ack_after(q.prompt_ack, seq).0;
-        if q.acks_unsent >= if prompt { ACK_BATCH } else { LAZY_ACK_BATCH } {
-            take_owed_ack(q);
-            self.send_ack(q, seq, None);
-            return;
-        }
         if first {
             q.ack_owed_since = crate::engine::owe_ack(self.qp_num);
+            q.ack_owed_poll = app_polls();
+        }
+        let batch = ack_batch(prompt);
+        if q.acks_unsent >= batch {
+            if q.acks_unsent >= FULL_BATCHES_HELD * batch
+                || q.ack_owed_poll <= crate::engine::full_batch_cutoff(app_polls())
+            {
+                take_owed_ack(q);
+                self.send_ack(q, seq, None);
+                return;
+            }
+            crate::engine::ack_batch_full();
         }
         if prompt {
             crate::engine::ack_wanted_soon();
@@ -565,6 +582,23 @@ pub(super) fn take_owed_ack(q: &mut Queues) -> Option<u32> {
     Some(seq)
 }
 
+/// The application's polls so far (0 before the engine runs).
+fn app_polls() -> u64 {
+    crate::engine::Engine::running().map_or(0, |e| e.app_polls())
+}
+
+/// The deliveries a full batch holds: [`ACK_BATCH`] while the requester waits for one
+/// (`prompt`), else [`LAZY_ACK_BATCH`].
+fn ack_batch(prompt: bool) -> u32 {
+    if prompt { ACK_BATCH } else { LAZY_ACK_BATCH }
+}
+
+/// Whether the ACK this QP owes is for a full batch.
+fn batch_full(q: &Queues) -> bool {
+    q.ack_owed.is_some()
+        && q.acks_unsent >= ack_batch(prompt_ack_after(q.prompt_ack, q.last_delivered).0)
+}
+
 /// What a flush of owed ACKs does with this QP's.
 #[derive(Debug, PartialEq, Eq)]
 enum OwedAck {
@@ -576,12 +610,17 @@ enum OwedAck {
     Now,
 }
 
-/// At a flush of owed ACKs: all of them (`owed_by` None), or those owed since `owed_by` or
-/// earlier.
-fn owed_ack_at_flush(q: &Queues, owed_by: Option<u64>) -> OwedAck {
-    match (q.ack_owed, owed_by) {
+/// At a flush of owed ACKs: all of them, those owed since a time or earlier, or those of full
+/// batches owed since an application poll or earlier (and those owed since a time or earlier).
+fn owed_ack_at_flush(q: &Queues, cutoff: OwedAckCutoff) -> OwedAck {
+    match (q.ack_owed, cutoff) {
         (None, _) => OwedAck::None,
-        (Some(_), Some(cutoff)) if q.ack_owed_since > cutoff => OwedAck::Later,
+        (Some(_), OwedAckCutoff::OwedSince(time)) if q.ack_owed_since > time => OwedAck::Later,
+        (Some(_), OwedAckCutoff::FullBatchSincePoll { poll, time })
+            if (!batch_full(q) || q.ack_owed_poll > poll) && q.ack_owed_since > time =>
+        {
+            OwedAck::Later
+        }
         (Some(_), _) => OwedAck::Now,
     }
 }
@@ -677,13 +716,61 @@ mod tests {
     #[test]
     fn a_flush_of_overdue_acks_sends_only_an_ack_owed_that_long() {
         let mut q = Queues::new();
-        assert_eq!(owed_ack_at_flush(&q, None), OwedAck::None);
-        assert_eq!(owed_ack_at_flush(&q, Some(1_000)), OwedAck::None);
+        let since = OwedAckCutoff::OwedSince;
+        assert_eq!(owed_ack_at_flush(&q, OwedAckCutoff::Any), OwedAck::None);
+        assert_eq!(owed_ack_at_flush(&q, since(1_000)), OwedAck::None);
         q.ack_owed = Some(7);
         q.ack_owed_since = 1_000;
-        assert_eq!(owed_ack_at_flush(&q, Some(999)), OwedAck::Later, "younger");
-        assert_eq!(owed_ack_at_flush(&q, Some(1_000)), OwedAck::Now);
-        assert_eq!(owed_ack_at_flush(&q, Some(5_000)), OwedAck::Now);
-        assert_eq!(owed_ack_at_flush(&q, None), OwedAck::Now, "a flush of all");
+        assert_eq!(owed_ack_at_flush(&q, since(999)), OwedAck::Later, "younger");
+        assert_eq!(owed_ack_at_flush(&q, since(1_000)), OwedAck::Now);
+        assert_eq!(owed_ack_at_flush(&q, since(5_000)), OwedAck::Now);
+        let all = OwedAckCutoff::Any;
+        assert_eq!(owed_ack_at_flush(&q, all), OwedAck::Now, "a flush of all");
+    }
+
+    /// A batch that fills while one bundle is delivered is answered by the application's
+    /// next messages: its ACK goes alone only when a flush of full batches finds it full
+    /// and owed since the cutoff's poll or earlier.
+    #[test]
+    fn a_flush_of_full_batches_sends_only_a_full_batch_owed_since_the_cutoff() {
+        let mut q = Queues::new();
+        let full_since = |poll| OwedAckCutoff::FullBatchSincePoll { poll, time: 0 };
+        q.ack_owed = Some(20);
+        q.last_delivered = 20;
+        q.ack_owed_poll = 5;
+        q.ack_owed_since = 5_000; // not overdue at the flushes below (time 0)
+        q.acks_unsent = LAZY_ACK_BATCH - 1;
+        assert!(!batch_full(&q), "no requester waits: a lazy batch");
+        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::Later);
+        q.acks_unsent = LAZY_ACK_BATCH;
+        assert!(batch_full(&q));
+        assert_eq!(
+            owed_ack_at_flush(&q, full_since(4)),
+            OwedAck::Later,
+            "too new"
+        );
+        assert_eq!(owed_ack_at_flush(&q, full_since(5)), OwedAck::Now);
+        // A requester waiting for one of them makes 16 deliveries a full batch.
+        note_prompt_ack(&mut q, &request(18, false));
+        q.acks_unsent = ACK_BATCH;
+        assert!(batch_full(&q));
+        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::Now);
+        q.acks_unsent = ACK_BATCH - 1;
+        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::Later);
+        let overdue = OwedAckCutoff::FullBatchSincePoll {
+            poll: 0,
+            time: 1_000,
+        };
+        q.ack_owed_since = 2_000;
+        assert_eq!(owed_ack_at_flush(&q, overdue), OwedAck::Later);
+        q.ack_owed_since = 1_000;
+        assert_eq!(
+            owed_ack_at_flush(&q, overdue),
+            OwedAck::Now,
+            "overdue, not full"
+        );
+        take_owed_ack(&mut q);
+        assert!(!batch_full(&q), "none owed");
+        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::None);
     }
 }
