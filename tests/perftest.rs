@@ -5,6 +5,7 @@
 mod harness;
 
 use harness::*;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 fn perftest(program: &str, opts: &[&str], timeout_s: u64) {
@@ -211,8 +212,18 @@ fn ib_send_bw_acknowledges_unsignaled_sends_in_batches() {
         // The message path's ACKs (with the receiver's ring, the SENDs are placed instead).
         &[("UGDR_LOG", "debug"), ("UGDR_DIRECT", "off")],
     );
-    let log = String::from_utf8_lossy(&server.stderr);
-    let (delivered, alone) = log
+    let (delivered, alone) = responder_counts(&server, "server");
+    assert!(delivered >= 16384, "{delivered} delivered");
+    assert!(
+        alone * 20 <= delivered,
+        "{alone} ACKs sent alone for {delivered} SENDs delivered"
+    );
+}
+
+/// The last "rc responders" counts in a side's `UGDR_LOG=debug` log (logged at each power of
+/// two of requests delivered): requests delivered, and ACKs that went as messages of their own.
+fn responder_counts(side: &Output, name: &str) -> (u64, u64) {
+    String::from_utf8_lossy(&side.stderr)
         .lines()
         .rev()
         .find_map(|l| {
@@ -221,12 +232,51 @@ fn ib_send_bw_acknowledges_unsignaled_sends_in_batches() {
             let alone = rest.split_once(" ACKs sent alone")?.0;
             Some((delivered.parse::<u64>().ok()?, alone.parse::<u64>().ok()?))
         })
-        .unwrap_or_else(|| panic!("no responder counts in the server's log\n{}", text(&server)));
-    assert!(delivered >= 16384, "{delivered} delivered");
-    assert!(
-        alone * 20 <= delivered,
-        "{alone} ACKs sent alone for {delivered} SENDs delivered"
+        .unwrap_or_else(|| panic!("no responder counts in the {name}'s log\n{}", text(side)))
+}
+
+/// Across hosts a posted WR list goes as one bundle. Both sides of `ib_send_bw -b -l 32`
+/// receive 32 SENDs at a time and send lists of their own: the ACK of a bundle rides on the
+/// receiver's next list instead of going alone when its 16th SEND is delivered, in the
+/// middle of delivering it (exactly one ACK alone per bundle before; ~one per 55–85 now).
+#[test]
+fn acks_of_a_bundle_ride_on_the_answer_across_hosts() {
+    let ns = NetnsPair::new("ack");
+    let port = free_port().to_string();
+    let args = [
+        "-p",
+        port.as_str(),
+        "-b",
+        "-l",
+        "32",
+        "-s",
+        "64",
+        "-n",
+        "64000",
+    ];
+    let mut client = args.to_vec();
+    client.push(ADDR_A);
+    let debug = |mut c: Command| {
+        c.env("UGDR_LOG", "debug");
+        c
+    };
+    let (s, c) = ns.run_pingpong(
+        debug(ns.command(&ns.a, "ib_send_bw", &args)),
+        debug(ns.command(&ns.b, "ib_send_bw", &client)),
+        port.parse().unwrap(),
+        Duration::from_secs(120),
     );
+    assert_success(&s, "ib_send_bw server in namespace A");
+    assert_success(&c, "ib_send_bw client in namespace B");
+    for (side, name) in [(&s, "server"), (&c, "client")] {
+        let (delivered, alone) = responder_counts(side, name);
+        assert!(delivered >= 32768, "{name}: {delivered} delivered");
+        let bundles = delivered / 32;
+        assert!(
+            alone * 4 < bundles * 3,
+            "{name}: {alone} ACKs sent alone for {bundles} bundles of 32 SENDs"
+        );
+    }
 }
 
 #[test]
