@@ -582,7 +582,8 @@ impl Engine {
         }
     }
 
-    /// Sends the ACKs the QPs of this process owe their peers: all, or the overdue ones.
+    /// Sends the ACKs the QPs of this process owe their peers: all, the overdue ones, or those
+    /// of full batches (and the overdue ones).
     pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>, which: AckFlush) {
         let cutoff = match which {
             AckFlush::All => OwedAckCutoff::Any,
