@@ -43,9 +43,15 @@ pub trait MessageReceiver: Send + Sync {
     /// An ACK or NAK from the peer's responder.
     fn ack_arrived(self: Arc<Self>, locked: &LockedWorker<'_>, header: &Header);
 
-    /// Send the ACK this QP announced with [`owe_ack`], if it still owes one and `cutoff`
-    /// takes it, else list it again with [`still_owe_ack`].
-    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>, cutoff: OwedAckCutoff);
+    /// Send the ACK this QP announced with [`owe_ack`], if it still owes one; with
+    /// `owed_by` (µs, [`owe_ack`]'s clock) only if it has been owed since then or earlier,
+    /// else list it again with [`still_owe_ack`].
+    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>, owed_by: Option<u64>);
+
+    /// Send the ACK of the full batch this QP announced with [`ack_batch_full`] if it has
+    /// been owed since the application's poll numbered `poll` or earlier; list it again while
+    /// the batch is full and not yet due.
+    fn send_full_batch_ack(self: Arc<Self>, locked: &LockedWorker<'_>, poll: u64);
 
     /// An endpoint to some peer process failed: a QP whose peer it was fails.
     fn peer_failed(self: Arc<Self>, locked: &LockedWorker<'_>);
@@ -76,10 +82,54 @@ pub struct Peer {
     pub remote_host: bool,
 }
 
-/// QPs that owe their peer an ACK (by QP number), flushed by the engine when the application
-/// or the progress thread runs out of work.
-static OWED_ACKS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
-static OWED_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// A list of QP numbers that many threads add to and the engine empties, with a count that
+/// says without the lock whether it holds any.
+struct QpList {
+    qpns: Mutex<Vec<u32>>,
+    count: AtomicUsize,
+}
+
+impl QpList {
+    const fn new() -> QpList {
+        QpList {
+            qpns: Mutex::new(Vec::new()),
+            count: AtomicUsize::new(0),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.count.load(Ordering::Acquire) == 0
+    }
+
+    /// Adds `qpn`; `then` runs under the list's lock, told whether the list was empty.
+    fn push(&self, qpn: u32, then: impl FnOnce(bool)) {
+        let mut qpns = self.qpns.lock().unwrap_or_else(|p| p.into_inner());
+        qpns.push(qpn);
+        then(self.count.fetch_add(1, Ordering::AcqRel) == 0);
+    }
+
+    /// Empties the list (cheap when it is empty) and gives back each QP once; `then` runs
+    /// under the list's lock.
+    fn take(&self, then: impl FnOnce()) -> Vec<u32> {
+        if self.is_empty() {
+            return Vec::new();
+        }
+        let mut qpns = {
+            let mut qpns = self.qpns.lock().unwrap_or_else(|p| p.into_inner());
+            self.count.store(0, Ordering::Release);
+            then();
+            std::mem::take(&mut *qpns)
+        };
+        // A QP is listed again each time it owes anew.
+        qpns.sort_unstable();
+        qpns.dedup();
+        qpns
+    }
+}
+
+/// QPs that owe their peer an ACK, flushed by the engine when the application or the
+/// progress thread runs out of work.
+static OWED_ACKS: QpList = QpList::new();
 /// When the oldest ACK on the list became owed (µs since [`epoch`]; 0: none owed).
 static OWED_SINCE_US: AtomicU64 = AtomicU64::new(0);
 
@@ -106,29 +156,25 @@ pub fn owe_ack(qpn: u32) -> u64 {
     now
 }
 
-/// QP `qpn` still owes the ACK it announced at `since`, which a flush did not take (younger
-/// than [`OWED_ACK_MAX_WAIT`], or a batch not yet full or still awaiting its answer): listed
-/// again with its own age (`prompt`: its requester waits for it, see [`ack_wanted_soon`];
-/// `batch_full`: see [`ack_batch_full`]).
-pub fn still_owe_ack(qpn: u32, since: u64, prompt: bool, batch_full: bool) {
+/// QP `qpn` still owes the ACK it announced at `since`, which a flush of overdue ACKs found
+/// younger than [`OWED_ACK_MAX_WAIT`]: listed again with its own age (`prompt`: its
+/// requester waits for it, see [`ack_wanted_soon`]).
+pub fn still_owe_ack(qpn: u32, since: u64, prompt: bool) {
     list_owed_ack(qpn, since);
     if prompt {
         ack_wanted_soon();
     }
-    if batch_full {
-        ack_batch_full();
-    }
 }
 
 fn list_owed_ack(qpn: u32, since: u64) {
-    let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
-    owed.push(qpn);
     // Under the list's lock: the oldest entry's time, 0 only while the list is empty.
-    if OWED_COUNT.fetch_add(1, Ordering::AcqRel) == 0 {
-        OWED_SINCE_US.store(since, Ordering::Release);
-    } else {
-        OWED_SINCE_US.fetch_min(since, Ordering::AcqRel);
-    }
+    OWED_ACKS.push(qpn, |was_empty| {
+        if was_empty {
+            OWED_SINCE_US.store(since, Ordering::Release);
+        } else {
+            OWED_SINCE_US.fetch_min(since, Ordering::AcqRel);
+        }
+    });
 }
 
 /// A QP owes an ACK that its peer's requester waits for (a signaled WR's completion, or a
@@ -138,16 +184,30 @@ pub fn ack_wanted_soon() {
     OWED_PROMPTLY.store(true, Ordering::Release);
 }
 
-/// Some QP owes an ACK for a full batch of deliveries that has not ridden on an answer yet:
-/// it goes alone once the application has polled [`ACK_BATCH_POLLS`] times since it became
-/// owed (see [`full_batch_cutoff`]), or when the progress thread runs out of work. Not at
-/// once: the batch often fills in the middle of one bundle's delivery, just before the
-/// application answers it with a message the ACK rides on.
-pub fn ack_batch_full() {
-    BATCH_FULL.store(true, Ordering::Release);
+/// QPs owing the ACK of a full batch of deliveries that no answer has carried yet (by QP
+/// number), a short list apart from [`OWED_ACKS`]: the application's polls look at it while
+/// it is not empty, and must not walk every QP that owes an ACK each time. A QP is listed
+/// once per full batch ([`ack_batch_full`]) and again while its batch is not yet due.
+static FULL_BATCHES: QpList = QpList::new();
+
+/// QP `qpn` owes the ACK of a full batch: it goes alone once the application has polled
+/// [`ACK_BATCH_POLLS`] times since the ACK became owed (see [`full_batch_cutoff`]), or when
+/// the progress thread runs out of work, unless a message carries it first. Not at once: the
+/// batch often fills in the middle of one bundle's delivery, just before the application
+/// answers it with a message the ACK rides on.
+pub fn ack_batch_full(qpn: u32) {
+    FULL_BATCHES.push(qpn, |_| {});
 }
 
-static BATCH_FULL: AtomicBool = AtomicBool::new(false);
+/// Whether some QP may owe the ACK of a full batch (cheap: the application's polls ask).
+pub(super) fn ack_batches_full() -> bool {
+    !FULL_BATCHES.is_empty()
+}
+
+/// The QPs listed by [`ack_batch_full`], each once, emptying the list.
+pub(super) fn take_full_batches() -> Vec<u32> {
+    FULL_BATCHES.take(|| {})
+}
 
 /// The application's polls after the one that delivered a full batch before its ACK goes
 /// alone. SPDK's target answers a request in the reactor pass after the one that delivered
@@ -161,34 +221,18 @@ static BATCH_FULL: AtomicBool = AtomicBool::new(false);
 /// 11 and 28.
 pub const ACK_BATCH_POLLS: u64 = 4;
 
-/// An ACK for a full batch owed since the application's poll numbered this or earlier goes
-/// alone now (`app_polls`: the application's polls so far).
+/// A full batch's ACK owed since the application's poll numbered this or earlier goes alone
+/// now (`app_polls`: the application's polls so far).
 pub fn full_batch_cutoff(app_polls: u64) -> u64 {
     app_polls.saturating_sub(ACK_BATCH_POLLS)
 }
 
-/// Whether some QP may owe the ACK of a full batch (see [`ack_batch_full`]).
-pub(super) fn ack_batches_full() -> bool {
-    BATCH_FULL.load(Ordering::Acquire) && OWED_COUNT.load(Ordering::Acquire) != 0
-}
-
 /// The QPs that owe an ACK, each once, emptying the list (cheap when it is empty).
 pub(super) fn take_owed_acks() -> Vec<u32> {
-    if OWED_COUNT.load(Ordering::Acquire) == 0 {
-        return Vec::new();
-    }
-    let mut qpns = {
-        let mut owed = OWED_ACKS.lock().unwrap_or_else(|p| p.into_inner());
-        OWED_COUNT.store(0, Ordering::Release);
+    OWED_ACKS.take(|| {
         OWED_SINCE_US.store(0, Ordering::Release);
         OWED_PROMPTLY.store(false, Ordering::Release);
-        BATCH_FULL.store(false, Ordering::Release);
-        std::mem::take(&mut *owed)
-    };
-    // A QP is listed again each time it owes anew after an ACK rode on its message.
-    qpns.sort_unstable();
-    qpns.dedup();
-    qpns
+    })
 }
 
 /// Which owed ACKs a flush sends.
@@ -198,30 +242,13 @@ pub enum AckFlush {
     All,
     /// Only those owed for longer than [`OWED_ACK_MAX_WAIT`]; younger ones stay listed.
     Overdue,
-    /// Those owed for a full batch of deliveries since the application's poll numbered this
-    /// or earlier ([`full_batch_cutoff`]; `u64::MAX`: every full batch), and the overdue ones.
-    FullBatches(u64),
-}
-
-/// Which owed ACKs a flush sends, as each QP sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OwedAckCutoff {
-    /// Every one.
-    Any,
-    /// Those owed since this time (µs, [`owe_ack`]'s clock) or earlier.
-    OwedSince(u64),
-    /// Those owed for a full batch since the application's poll numbered `poll` or earlier,
-    /// and those owed since `time` or earlier.
-    FullBatchSincePoll { poll: u64, time: u64 },
 }
 
 /// Which ACKs should go once this process runs out of work: all, when one was asked for
-/// promptly; those of full batches; the overdue ones, when some may be.
+/// promptly; the overdue ones, when some may be.
 pub(super) fn owed_acks_wanted() -> Option<AckFlush> {
-    if OWED_PROMPTLY.load(Ordering::Acquire) && OWED_COUNT.load(Ordering::Acquire) != 0 {
+    if OWED_PROMPTLY.load(Ordering::Acquire) && !OWED_ACKS.is_empty() {
         Some(AckFlush::All)
-    } else if ack_batches_full() {
-        Some(AckFlush::FullBatches(u64::MAX))
     } else {
         owed_acks_overdue().then_some(AckFlush::Overdue)
     }
@@ -313,31 +340,38 @@ mod tests {
         // The times below (µs on the engine's clock) lie more than OWED_ACK_MAX_WAIT back.
         now_us();
         std::thread::sleep(Duration::from_millis(2));
-        still_owe_ack(0xa1, 900, false, false);
+        still_owe_ack(0xa1, 900, false);
         assert_eq!(since(), 900);
-        still_owe_ack(0xa3, 700, false, false);
+        still_owe_ack(0xa3, 700, false);
         assert_eq!(since(), 700, "an older one");
-        still_owe_ack(0xa1, 800, false, false);
+        still_owe_ack(0xa1, 800, false);
         assert_eq!(since(), 700, "a younger one changes nothing");
         assert_eq!(owed_acks_wanted(), Some(AckFlush::Overdue), "none prompt");
-        assert!(!ack_batches_full());
-        still_owe_ack(0xa5, 850, false, true);
-        assert!(ack_batches_full());
-        assert_eq!(
-            owed_acks_wanted(),
-            Some(AckFlush::FullBatches(u64::MAX)),
-            "a full batch, and the overdue ones with it"
-        );
-        still_owe_ack(0xa2, 300, true, false);
+        still_owe_ack(0xa2, 300, true);
         assert_eq!(since(), 300);
         assert_eq!(owed_acks_wanted(), Some(AckFlush::All), "a prompt one");
-        assert_eq!(take_owed_acks(), vec![0xa1, 0xa2, 0xa3, 0xa5]);
+        assert_eq!(take_owed_acks(), vec![0xa1, 0xa2, 0xa3]);
         assert_eq!((since(), owed_acks_wanted()), (0, None));
-        assert!(!ack_batches_full());
         assert!(owed_acks_due_in().is_none());
         // A QP owing anew: listed as old as the time owe_ack gave it.
         let listed = owe_ack(0xa4);
         assert_eq!(since(), listed);
         assert_eq!(take_owed_acks(), vec![0xa4]);
+    }
+
+    /// The list of full batches is apart from the list of owed ACKs, and names each QP once.
+    #[test]
+    fn the_full_batch_list_names_each_qp_once_apart_from_the_owed_list() {
+        take_full_batches();
+        assert!(!ack_batches_full());
+        ack_batch_full(0xb2);
+        ack_batch_full(0xb1);
+        ack_batch_full(0xb2);
+        assert!(ack_batches_full());
+        assert_eq!(take_full_batches(), vec![0xb1, 0xb2]);
+        assert!(!ack_batches_full());
+        assert_eq!(take_full_batches(), Vec::<u32>::new());
+        assert_eq!(full_batch_cutoff(10), 10 - ACK_BATCH_POLLS);
+        assert_eq!(full_batch_cutoff(1), 0);
     }
 }

@@ -31,8 +31,8 @@ mod progress;
 pub mod wire;
 
 pub use dispatch::{
-    ACK_BATCH_POLLS, AckFlush, MessageReceiver, OwedAckCutoff, Peer, TIMER_TICK, ack_batch_full,
-    ack_wanted_soon, arm_timer, full_batch_cutoff, owe_ack, still_owe_ack,
+    ACK_BATCH_POLLS, AckFlush, MessageReceiver, Peer, TIMER_TICK, ack_batch_full, ack_wanted_soon,
+    arm_timer, full_batch_cutoff, owe_ack, still_owe_ack,
 };
 pub use error::EngineError;
 pub use progress::{ProgressConfig, ProgressMode};
@@ -582,20 +582,25 @@ impl Engine {
         }
     }
 
-    /// Sends the ACKs the QPs of this process owe their peers: all, the overdue ones, or those
-    /// of full batches (and the overdue ones).
+    /// Sends the ACKs the QPs of this process owe their peers: all, or the overdue ones.
     pub fn flush_owed_acks(&self, locked: &LockedWorker<'_>, which: AckFlush) {
-        let cutoff = match which {
-            AckFlush::All => OwedAckCutoff::Any,
-            AckFlush::Overdue => OwedAckCutoff::OwedSince(dispatch::overdue_cutoff()),
-            AckFlush::FullBatches(poll) => OwedAckCutoff::FullBatchSincePoll {
-                poll,
-                time: dispatch::overdue_cutoff(),
-            },
+        let owed_by = match which {
+            AckFlush::All => None,
+            AckFlush::Overdue => Some(dispatch::overdue_cutoff()),
         };
         for qpn in dispatch::take_owed_acks() {
             if let Some(qp) = self.receiver(qpn) {
-                qp.send_owed_ack(locked, cutoff);
+                qp.send_owed_ack(locked, owed_by);
+            }
+        }
+    }
+
+    /// Sends the ACKs of full batches owed since the application's poll numbered `poll` or
+    /// earlier (`u64::MAX`: all of them); those not yet due stay listed.
+    pub fn flush_full_batches(&self, locked: &LockedWorker<'_>, poll: u64) {
+        for qpn in dispatch::take_full_batches() {
+            if let Some(qp) = self.receiver(qpn) {
+                qp.send_full_batch_ack(locked, poll);
             }
         }
     }

@@ -190,7 +190,7 @@ impl Activity {
         // A full batch's ACK that no answer took since it became owed, polls ago, goes alone.
         if super::dispatch::ack_batches_full() {
             let cutoff = super::dispatch::full_batch_cutoff(self.polls());
-            engine.flush_owed_acks(&locked, AckFlush::FullBatches(cutoff));
+            engine.flush_full_batches(&locked, cutoff);
         }
         if locked.progress() > 0 {
             self.idle_app_polls.store(0, Ordering::Relaxed);
@@ -513,6 +513,9 @@ pub(super) fn run(
             let answer_soon = held_for_answer || (spinning && app_polling);
             if !answer_soon && let Some(which) = super::dispatch::owed_acks_wanted() {
                 engine.flush_owed_acks(&locked, which);
+            }
+            if !answer_soon && super::dispatch::ack_batches_full() {
+                engine.flush_full_batches(&locked, u64::MAX);
             }
             if last_peer_check.elapsed() >= PEER_CHECK_INTERVAL {
                 last_peer_check = Instant::now();

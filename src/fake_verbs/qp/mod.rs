@@ -45,9 +45,9 @@ use super::pd::ProtectionDomain;
 use super::qp_state::{QpState, QpType};
 use super::srq::SharedReceiveQueue;
 use super::work::WcStatus;
+use crate::engine::MessageReceiver;
 use crate::engine::direct::OwnReceiveRing;
 use crate::engine::wire::Header;
-use crate::engine::{MessageReceiver, OwedAckCutoff};
 use crate::ucp::{AmPayload, AppSpan, Endpoint, LockedWorker};
 use queues::{Deferred, Queues, release_kept};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -353,8 +353,12 @@ impl MessageReceiver for QueuePair {
         super::cq::with_events_deferred(|| self.on_ack(locked, header));
     }
 
-    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>, cutoff: OwedAckCutoff) {
-        self.send_owed_ack_by(locked, cutoff);
+    fn send_owed_ack(self: Arc<Self>, locked: &LockedWorker<'_>, owed_by: Option<u64>) {
+        self.send_owed_ack_by(locked, owed_by);
+    }
+
+    fn send_full_batch_ack(self: Arc<Self>, locked: &LockedWorker<'_>, poll: u64) {
+        self.send_full_batch_ack_by(locked, poll);
     }
 
     fn peer_failed(self: Arc<Self>, locked: &LockedWorker<'_>) {

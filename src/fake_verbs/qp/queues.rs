@@ -191,6 +191,8 @@ pub(super) struct Queues {
     pub(super) ack_owed_since: u64,
     /// The application's poll (`Engine::app_polls`) in which `ack_owed` became owed.
     pub(super) ack_owed_poll: u64,
+    /// This QP is on the engine's list of full batches (`engine::ack_batch_full`).
+    pub(super) full_batch_listed: bool,
     pub(super) acks_unsent: u32,
     /// The oldest and newest sequence numbers not yet acknowledged whose requester waits for
     /// their ACK (they came without `wire::HINT_ACK_MAY_WAIT`): an ACK that covers the oldest
@@ -273,6 +275,7 @@ impl Queues {
             ack_owed: None,
             ack_owed_since: 0,
             ack_owed_poll: 0,
+            full_batch_listed: false,
             acks_unsent: 0,
             prompt_ack: None,
             comm_established: false,

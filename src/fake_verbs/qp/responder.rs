@@ -23,7 +23,6 @@ use super::queues::{
     Body, Deferred, Landing, MAX_KEPT_BYTES, MAX_KEPT_MESSAGES, Pending, Queues, Response, keep,
     needs_receive,
 };
-use crate::engine::OwedAckCutoff;
 use crate::engine::wire::{self, Header, Nak, Op};
 use crate::ucp::{AmPayload, AppSpan, LockedWorker, SendPayload};
 use smallvec::SmallVec;
@@ -466,30 +465,48 @@ impl QueuePair {
     /// Sends the ACK this QP owes, if any, whatever its age (before the QP goes: a HCA
     /// acknowledges what it delivered).
     pub fn flush_ack(self: &Arc<Self>, locked: &LockedWorker<'_>) {
-        self.send_owed_ack_by(locked, OwedAckCutoff::Any);
+        self.send_owed_ack_by(locked, None);
     }
 
-    /// Sends the ACK this QP owes, if any and `cutoff` takes it (a flush of overdue ACKs, or
-    /// of full batches), else it stays owed and listed with its own age.
+    /// Sends the ACK this QP owes, if any; with `owed_by` only if it has been owed since then
+    /// or earlier (a flush of overdue ACKs), else it stays owed and listed with its own age.
     /// (The engine's list still holds a QP whose ACK rode on a message since it was listed;
     /// its age is that of the list's entry, not of the ACK owed now, which may be a
     /// microsecond old: sent alone, it would go just before the answer it could ride on.)
     pub(super) fn send_owed_ack_by(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
-        cutoff: OwedAckCutoff,
+        owed_by: Option<u64>,
     ) {
-        self.locked_then_send(locked, |q| match owed_ack_at_flush(q, cutoff) {
+        self.locked_then_send(locked, |q| match owed_ack_at_flush(q, owed_by) {
             OwedAck::None => {}
-            OwedAck::Later => crate::engine::still_owe_ack(
-                self.qp_num,
-                q.ack_owed_since,
-                q.prompt_ack.is_some(),
-                batch_full(q),
-            ),
+            OwedAck::Later => {
+                crate::engine::still_owe_ack(self.qp_num, q.ack_owed_since, q.prompt_ack.is_some())
+            }
             OwedAck::Now => {
                 if let Some(seq) = take_owed_ack(q) {
                     self.send_ack(q, seq, None);
+                }
+            }
+        });
+    }
+
+    /// Sends the ACK of this QP's full batch if it has been owed since the application's poll
+    /// numbered `poll` or earlier; while the batch is full and not yet due it stays listed
+    /// (`engine::ack_batch_full`).
+    pub(super) fn send_full_batch_ack_by(self: &Arc<Self>, locked: &LockedWorker<'_>, poll: u64) {
+        self.locked_then_send(locked, |q| {
+            q.full_batch_listed = false;
+            match full_batch_at_flush(q, poll) {
+                OwedAck::None => {}
+                OwedAck::Later => {
+                    q.full_batch_listed = true;
+                    crate::engine::ack_batch_full(self.qp_num);
+                }
+                OwedAck::Now => {
+                    if let Some(seq) = take_owed_ack(q) {
+                        self.send_ack(q, seq, None);
+                    }
                 }
             }
         });
@@ -525,7 +542,10 @@ impl QueuePair {
                 self.send_ack(q, seq, None);
                 return;
             }
-            crate::engine::ack_batch_full();
+            if !q.full_batch_listed {
+                q.full_batch_listed = true;
+                crate::engine::ack_batch_full(self.qp_num);
+            }
         }
         if prompt {
             crate::engine::ack_wanted_soon();
@@ -599,6 +619,18 @@ fn batch_full(q: &Queues) -> bool {
         && q.acks_unsent >= ack_batch(prompt_ack_after(q.prompt_ack, q.last_delivered).0)
 }
 
+/// At a flush of full batches that takes those owed since the application's poll `poll` or
+/// earlier: none (no full batch is owed: a message carried its ACK), later, or now.
+fn full_batch_at_flush(q: &Queues, poll: u64) -> OwedAck {
+    if !batch_full(q) {
+        OwedAck::None
+    } else if q.ack_owed_poll <= poll {
+        OwedAck::Now
+    } else {
+        OwedAck::Later
+    }
+}
+
 /// What a flush of owed ACKs does with this QP's.
 #[derive(Debug, PartialEq, Eq)]
 enum OwedAck {
@@ -610,17 +642,12 @@ enum OwedAck {
     Now,
 }
 
-/// At a flush of owed ACKs: all of them, those owed since a time or earlier, or those of full
-/// batches owed since an application poll or earlier (and those owed since a time or earlier).
-fn owed_ack_at_flush(q: &Queues, cutoff: OwedAckCutoff) -> OwedAck {
-    match (q.ack_owed, cutoff) {
+/// At a flush of owed ACKs: all of them (`owed_by` None), or those owed since `owed_by` or
+/// earlier.
+fn owed_ack_at_flush(q: &Queues, owed_by: Option<u64>) -> OwedAck {
+    match (q.ack_owed, owed_by) {
         (None, _) => OwedAck::None,
-        (Some(_), OwedAckCutoff::OwedSince(time)) if q.ack_owed_since > time => OwedAck::Later,
-        (Some(_), OwedAckCutoff::FullBatchSincePoll { poll, time })
-            if (!batch_full(q) || q.ack_owed_poll > poll) && q.ack_owed_since > time =>
-        {
-            OwedAck::Later
-        }
+        (Some(_), Some(cutoff)) if q.ack_owed_since > cutoff => OwedAck::Later,
         (Some(_), _) => OwedAck::Now,
     }
 }
@@ -716,16 +743,14 @@ mod tests {
     #[test]
     fn a_flush_of_overdue_acks_sends_only_an_ack_owed_that_long() {
         let mut q = Queues::new();
-        let since = OwedAckCutoff::OwedSince;
-        assert_eq!(owed_ack_at_flush(&q, OwedAckCutoff::Any), OwedAck::None);
-        assert_eq!(owed_ack_at_flush(&q, since(1_000)), OwedAck::None);
+        assert_eq!(owed_ack_at_flush(&q, None), OwedAck::None);
+        assert_eq!(owed_ack_at_flush(&q, Some(1_000)), OwedAck::None);
         q.ack_owed = Some(7);
         q.ack_owed_since = 1_000;
-        assert_eq!(owed_ack_at_flush(&q, since(999)), OwedAck::Later, "younger");
-        assert_eq!(owed_ack_at_flush(&q, since(1_000)), OwedAck::Now);
-        assert_eq!(owed_ack_at_flush(&q, since(5_000)), OwedAck::Now);
-        let all = OwedAckCutoff::Any;
-        assert_eq!(owed_ack_at_flush(&q, all), OwedAck::Now, "a flush of all");
+        assert_eq!(owed_ack_at_flush(&q, Some(999)), OwedAck::Later, "younger");
+        assert_eq!(owed_ack_at_flush(&q, Some(1_000)), OwedAck::Now);
+        assert_eq!(owed_ack_at_flush(&q, Some(5_000)), OwedAck::Now);
+        assert_eq!(owed_ack_at_flush(&q, None), OwedAck::Now, "a flush of all");
     }
 
     /// A batch that fills while one bundle is delivered is answered by the application's
@@ -734,43 +759,32 @@ mod tests {
     #[test]
     fn a_flush_of_full_batches_sends_only_a_full_batch_owed_since_the_cutoff() {
         let mut q = Queues::new();
-        let full_since = |poll| OwedAckCutoff::FullBatchSincePoll { poll, time: 0 };
+        assert_eq!(
+            full_batch_at_flush(&q, u64::MAX),
+            OwedAck::None,
+            "none owed"
+        );
         q.ack_owed = Some(20);
         q.last_delivered = 20;
         q.ack_owed_poll = 5;
-        q.ack_owed_since = 5_000; // not overdue at the flushes below (time 0)
         q.acks_unsent = LAZY_ACK_BATCH - 1;
         assert!(!batch_full(&q), "no requester waits: a lazy batch");
-        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::Later);
+        assert_eq!(full_batch_at_flush(&q, u64::MAX), OwedAck::None);
         q.acks_unsent = LAZY_ACK_BATCH;
         assert!(batch_full(&q));
-        assert_eq!(
-            owed_ack_at_flush(&q, full_since(4)),
-            OwedAck::Later,
-            "too new"
-        );
-        assert_eq!(owed_ack_at_flush(&q, full_since(5)), OwedAck::Now);
+        assert_eq!(full_batch_at_flush(&q, 4), OwedAck::Later, "too new");
+        assert_eq!(full_batch_at_flush(&q, 5), OwedAck::Now);
         // A requester waiting for one of them makes 16 deliveries a full batch.
         note_prompt_ack(&mut q, &request(18, false));
         q.acks_unsent = ACK_BATCH;
         assert!(batch_full(&q));
-        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::Now);
+        assert_eq!(full_batch_at_flush(&q, u64::MAX), OwedAck::Now);
         q.acks_unsent = ACK_BATCH - 1;
-        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::Later);
-        let overdue = OwedAckCutoff::FullBatchSincePoll {
-            poll: 0,
-            time: 1_000,
-        };
-        q.ack_owed_since = 2_000;
-        assert_eq!(owed_ack_at_flush(&q, overdue), OwedAck::Later);
-        q.ack_owed_since = 1_000;
-        assert_eq!(
-            owed_ack_at_flush(&q, overdue),
-            OwedAck::Now,
-            "overdue, not full"
-        );
+        assert_eq!(full_batch_at_flush(&q, u64::MAX), OwedAck::None);
+        q.acks_unsent = ACK_BATCH;
+        // An answer carried the ACK: no batch is owed any more.
         take_owed_ack(&mut q);
-        assert!(!batch_full(&q), "none owed");
-        assert_eq!(owed_ack_at_flush(&q, full_since(u64::MAX)), OwedAck::None);
+        assert!(!batch_full(&q));
+        assert_eq!(full_batch_at_flush(&q, u64::MAX), OwedAck::None);
     }
 }
