@@ -120,7 +120,8 @@ impl QpList {
             then();
             std::mem::take(&mut *qpns)
         };
-        // A QP is listed again each time it owes anew.
+        // A QP may have been listed more than once (it owed anew after an ACK rode on its
+        // message, or its full batch was not yet due at the last flush).
         qpns.sort_unstable();
         qpns.dedup();
         qpns

@@ -499,10 +499,7 @@ impl QueuePair {
             q.full_batch_listed = false;
             match full_batch_at_flush(q, poll) {
                 OwedAck::None => {}
-                OwedAck::Later => {
-                    q.full_batch_listed = true;
-                    crate::engine::ack_batch_full(self.qp_num);
-                }
+                OwedAck::Later => self.list_full_batch(q),
                 OwedAck::Now => {
                     if let Some(seq) = take_owed_ack(q) {
                         self.send_ack(q, seq, None);
@@ -510,6 +507,14 @@ impl QueuePair {
                 }
             }
         });
+    }
+
+    /// Puts this QP, once, on the engine's list of full batches (`engine::ack_batch_full`).
+    fn list_full_batch(&self, q: &mut Queues) {
+        if !q.full_batch_listed {
+            q.full_batch_listed = true;
+            crate::engine::ack_batch_full(self.qp_num);
+        }
     }
 
     /// `seq` was delivered: acknowledge it with the next message, or now when many are owed.
@@ -535,17 +540,15 @@ impl QueuePair {
         }
         let batch = ack_batch(prompt);
         if q.acks_unsent >= batch {
+            let cutoff = crate::engine::full_batch_cutoff(app_polls());
             if q.acks_unsent >= FULL_BATCHES_HELD * batch
-                || q.ack_owed_poll <= crate::engine::full_batch_cutoff(app_polls())
+                || full_batch_at_flush(q, cutoff) == OwedAck::Now
             {
                 take_owed_ack(q);
                 self.send_ack(q, seq, None);
                 return;
             }
-            if !q.full_batch_listed {
-                q.full_batch_listed = true;
-                crate::engine::ack_batch_full(self.qp_num);
-            }
+            self.list_full_batch(q);
         }
         if prompt {
             crate::engine::ack_wanted_soon();
