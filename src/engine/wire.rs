@@ -268,11 +268,24 @@ pub fn is_bundle_header(b: &[u8]) -> bool {
     b.len() == HEADER_LEN && b[0] == VERSION && b[1] == BUNDLE_MARK
 }
 
+/// The frame of one message in a bundle's body; its `payload_len` bytes follow.
+pub fn bundle_frame(header: &Header, payload_len: usize) -> [u8; BUNDLE_FRAME] {
+    let mut frame = [0u8; BUNDLE_FRAME];
+    frame[..4].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    frame[4..].copy_from_slice(&header.encode());
+    frame
+}
+
 /// Appends the frame of one message to a bundle's body; its `payload_len` bytes follow.
 pub fn push_bundle_frame(out: &mut crate::ucp::OwnedBytes, header: &Header, payload_len: usize) {
-    out.extend_from_slice(&(payload_len as u32).to_le_bytes());
-    out.extend_from_slice(&header.encode());
+    out.extend_from_slice(&bundle_frame(header, payload_len));
 }
+
+/// Spans of application memory of at least this many bytes go into a bundle by reference
+/// (UCX's `sendmsg` gathers them), smaller ones are copied into it: an IOV entry costs about
+/// what copying a few hundred bytes does, and a bundle has room for only
+/// `ucp::SPLICED_SPANS_MAX` of them.
+pub const BUNDLE_SPLICE_MIN: usize = 1024;
 
 /// The messages of a bundle's body, in order; a malformed frame (a bad header, a length past
 /// the end) ends the walk (`Err`: what was left).

@@ -22,6 +22,127 @@ pub enum SendPayload {
     Spans(SpanList),
     /// Bytes ugdr owns (inline data, replies); kept alive by the request.
     Owned(OwnedBytes),
+    /// Bytes ugdr owns with application spans spliced in between them, sent as one gather
+    /// list: the spans' bytes go to UCX by reference, not copied (a bundle's payloads).
+    /// Boxed: it is large, and every payload moves as often as a WR does.
+    Spliced(Box<Spliced>),
+}
+
+/// Owned bytes with application spans spliced in at given offsets: the message is
+/// `bytes[..at_0]`, span 0, `bytes[at_0..at_1]`, span 1, …, `bytes[at_last..]`. Built in order
+/// with [`Spliced::extend_from_slice`] and [`Spliced::push_span`].
+#[derive(Default)]
+pub struct Spliced {
+    bytes: OwnedBytes,
+    spans: SmallVec<[(usize, AppSpan); SPLICED_SPANS_MAX]>,
+    spans_len: usize,
+}
+
+/// The most spans [`Spliced`] sends by reference in one message. A gather list of `k` spans
+/// is at most `2k + 1` IOV entries, and UCX sends a message in one piece only when its IOV
+/// fits the transport's (its AM header takes one more entry; over TCP ugdr sets
+/// `UCX_TCP_MAX_IOV` to 16, `Ucx::context_options`): beyond that UCX cuts the message into
+/// fragments that the receiver must copy back together.
+pub const SPLICED_SPANS_MAX: usize = 7;
+
+impl Spliced {
+    pub fn with_capacity(bytes: usize) -> Spliced {
+        Spliced {
+            bytes: OwnedBytes::with_capacity(bytes),
+            ..Spliced::default()
+        }
+    }
+
+    /// Appends owned bytes.
+    pub fn extend_from_slice(&mut self, b: &[u8]) {
+        self.bytes.extend_from_slice(b);
+    }
+
+    /// Appends an application span by reference; false (nothing appended) once
+    /// [`SPLICED_SPANS_MAX`] are in.
+    pub fn push_span(&mut self, span: AppSpan) -> bool {
+        if self.spans.len() == SPLICED_SPANS_MAX {
+            return false;
+        }
+        if !span.is_empty() {
+            self.spans_len += span.len();
+            self.spans.push((self.bytes.len(), span));
+        }
+        true
+    }
+
+    /// Appends a payload: each of its spans of at least `by_reference_from` bytes by
+    /// reference while there is room for it, the rest copied.
+    pub fn push_payload(&mut self, payload: &SendPayload, by_reference_from: usize) {
+        match payload {
+            SendPayload::Spans(spans) => {
+                for span in spans {
+                    if span.len() < by_reference_from || !self.push_span(*span) {
+                        super::memory::gather_append(std::slice::from_ref(span), &mut self.bytes);
+                    }
+                }
+            }
+            other => other.append_to(&mut self.bytes),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len() + self.spans_len
+    }
+
+    /// The bytes sent by reference (the spans').
+    pub fn by_reference(&self) -> usize {
+        self.spans_len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The spliced application spans, in order.
+    fn spans(&self) -> impl Iterator<Item = &AppSpan> {
+        self.spans.iter().map(|(_, s)| s)
+    }
+
+    /// All of it copied into one buffer (spans whose region died read as zeros).
+    fn gathered(&self) -> OwnedBytes {
+        let mut out = OwnedBytes::with_capacity(self.len());
+        for piece in pieces(&self.bytes, &self.spans) {
+            match piece {
+                Piece::Bytes(b) => out.extend_from_slice(b),
+                Piece::Span(s) => super::memory::gather_append(std::slice::from_ref(s), &mut out),
+            }
+        }
+        out
+    }
+}
+
+/// The pieces of a spliced message in order: ranges of `bytes` and the spans spliced in at
+/// their offsets (none empty).
+fn pieces<'a>(
+    bytes: &'a [u8],
+    spans: &'a [(usize, AppSpan)],
+) -> impl Iterator<Item = Piece<'a>> + 'a {
+    let ends = spans
+        .iter()
+        .map(|(at, span)| (*at, Some(span)))
+        .chain(std::iter::once((bytes.len(), None)));
+    let mut from = 0;
+    ends.flat_map(move |(at, span)| {
+        let before = &bytes[from..at];
+        from = at;
+        [
+            (!before.is_empty()).then_some(Piece::Bytes(before)),
+            span.filter(|s| !s.is_empty()).map(Piece::Span),
+        ]
+    })
+    .flatten()
+}
+
+/// One piece of a [`Spliced`] message.
+enum Piece<'a> {
+    Bytes(&'a [u8]),
+    Span(&'a AppSpan),
 }
 
 impl Clone for SendPayload {
@@ -32,6 +153,11 @@ impl Clone for SendPayload {
             SendPayload::None => SendPayload::None,
             SendPayload::Spans(spans) => SendPayload::Spans(SpanList::from_slice(spans)),
             SendPayload::Owned(bytes) => SendPayload::Owned(OwnedBytes::from_slice(bytes)),
+            SendPayload::Spliced(spliced) => SendPayload::Spliced(Box::new(Spliced {
+                bytes: OwnedBytes::from_slice(&spliced.bytes),
+                spans: SmallVec::from_slice(&spliced.spans),
+                spans_len: spliced.spans_len,
+            })),
         }
     }
 }
@@ -43,11 +169,21 @@ impl SendPayload {
             SendPayload::None => 0,
             SendPayload::Spans(spans) => total_len(spans),
             SendPayload::Owned(bytes) => bytes.len(),
+            SendPayload::Spliced(spliced) => spliced.len(),
         }
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether UCX reads application memory to send it.
+    pub fn reads_app(&self) -> bool {
+        match self {
+            SendPayload::Spans(_) => true,
+            SendPayload::Spliced(spliced) => !spliced.spans.is_empty(),
+            SendPayload::None | SendPayload::Owned(_) => false,
+        }
     }
 
     /// Appends its bytes to `out` (spans whose region died read as zeros, as they would
@@ -57,6 +193,7 @@ impl SendPayload {
             SendPayload::None => {}
             SendPayload::Spans(spans) => super::memory::gather_append(spans, out),
             SendPayload::Owned(bytes) => out.extend_from_slice(bytes),
+            SendPayload::Spliced(spliced) => out.extend_from_slice(&spliced.gathered()),
         }
     }
 }
@@ -320,6 +457,11 @@ impl Endpoint {
                     SmallVec::new(),
                 ),
             },
+            // Spans are sent by reference only while all of them are held; else all copied.
+            SendPayload::Spliced(spliced) => match spliced.spans().map(AppSpan::hold).collect() {
+                Some(held) => (SendPayload::Spliced(spliced), held),
+                None => (SendPayload::Owned(spliced.gathered()), SmallVec::new()),
+            },
             other => (other, SmallVec::new()),
         };
         let len = header.len() + self.trailer.len() + payload.len();
@@ -327,7 +469,7 @@ impl Endpoint {
             SendPayload::None => Some(&[]),
             SendPayload::Owned(b) => Some(b),
             // Tried above if short enough (UCX had no room then): sent from a pooled buffer.
-            SendPayload::Spans(_) => None,
+            SendPayload::Spans(_) | SendPayload::Spliced(_) => None,
         };
         if len <= IMMEDIATE_MAX
             && let Some(bytes) = bytes
@@ -347,6 +489,23 @@ impl Endpoint {
                 // The bytes live in the (boxed) buffer now: point at them there.
                 r.owned = bytes;
                 r.iov.extend(bytes_iov(&r.owned));
+            }
+            SendPayload::Spliced(spliced) => {
+                let Spliced { bytes, spans, .. } = *spliced;
+                // The owned bytes move into the (boxed) buffer first, then the IOV points at
+                // them there; the spans stay where they are.
+                r.owned = bytes;
+                r.iov
+                    .extend(pieces(&r.owned, &spans).map(|piece| match piece {
+                        Piece::Bytes(b) => sys::ucp_dt_iov_t {
+                            buffer: b.as_ptr() as *mut c_void,
+                            length: b.len(),
+                        },
+                        Piece::Span(s) => sys::ucp_dt_iov_t {
+                            buffer: s.as_ptr() as *mut c_void,
+                            length: s.len(),
+                        },
+                    }));
             }
         }
         let param = sys::ucp_request_param_t {
@@ -569,5 +728,96 @@ impl Endpoint {
                 .api()
                 .ucp_ep_print_info(self.handle.as_ptr(), file)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::memory::HostBuffer;
+    use super::*;
+
+    /// The pieces as (by reference, bytes), to compare with what was pushed.
+    fn pieces_of(s: &Spliced) -> Vec<(bool, Vec<u8>)> {
+        pieces(&s.bytes, &s.spans)
+            .map(|p| match p {
+                Piece::Bytes(b) => (false, b.to_vec()),
+                Piece::Span(span) => (true, crate::ucp::gather(std::slice::from_ref(span))),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_spliced_message_keeps_its_order_and_sends_only_large_spans_by_reference() {
+        let big = [7u8; 8];
+        let small = [5u8; 2];
+        let other = [9u8; 8];
+        let mut s = Spliced::with_capacity(16);
+        s.extend_from_slice(b"ab");
+        let payload = SendPayload::Spans(SpanList::from_slice(&[
+            AppSpan::of_owned(&big),
+            AppSpan::of_owned(&small),
+        ]));
+        s.push_payload(&payload, 4);
+        s.push_payload(&SendPayload::Spans([AppSpan::of_owned(&other)].into()), 4);
+        s.extend_from_slice(b"z");
+        s.push_payload(&SendPayload::Owned(OwnedBytes::from_slice(b"xy")), 4);
+        assert_eq!(
+            pieces_of(&s),
+            vec![
+                (false, b"ab".to_vec()),
+                (true, big.to_vec()),
+                (false, small.to_vec()),
+                (true, other.to_vec()),
+                (false, b"zxy".to_vec()),
+            ]
+        );
+        assert_eq!((s.len(), s.by_reference()), (23, 16));
+        let whole: Vec<u8> = [&b"ab"[..], &big, &small, &other, b"zxy"].concat();
+        assert_eq!(s.gathered().to_vec(), whole);
+        let mut appended = OwnedBytes::new();
+        SendPayload::Spliced(Box::new(s)).append_to(&mut appended);
+        assert_eq!(appended.to_vec(), whole);
+    }
+
+    #[test]
+    fn spans_past_the_limit_are_copied_and_a_span_at_the_start_has_no_empty_piece() {
+        let data: Vec<[u8; 4]> = (0..SPLICED_SPANS_MAX as u8 + 3).map(|i| [i; 4]).collect();
+        let mut s = Spliced::default();
+        for d in &data {
+            s.push_payload(&SendPayload::Spans([AppSpan::of_owned(d)].into()), 1);
+        }
+        let got = pieces_of(&s);
+        assert_eq!(got.len(), SPLICED_SPANS_MAX + 1, "{got:?}");
+        assert!(got[..SPLICED_SPANS_MAX].iter().all(|(by_ref, _)| *by_ref));
+        assert_eq!(
+            got[SPLICED_SPANS_MAX],
+            (false, data[SPLICED_SPANS_MAX..].concat())
+        );
+        assert_eq!(s.by_reference(), SPLICED_SPANS_MAX * 4);
+        assert_eq!(s.gathered().to_vec(), data.concat());
+        assert!(!s.push_span(AppSpan::of_owned(&data[0])));
+    }
+
+    #[test]
+    fn a_payload_stays_small_to_move() {
+        // Every WR's payload moves several times between post and send (a 640-byte one
+        // showed up as three `memcpy`s per WR in SPDK's target).
+        assert!(std::mem::size_of::<SendPayload>() <= 96);
+    }
+
+    #[test]
+    fn a_spliced_span_whose_region_died_reads_as_zeros_when_copied() {
+        let buf = HostBuffer::new(16).unwrap();
+        let region = buf.region(0, 16).unwrap();
+        let span = region.span(region.addr(), 16).unwrap();
+        crate::ucp::scatter(&[span], &[7u8; 16]);
+        let mut s = Spliced::default();
+        s.extend_from_slice(&[1]);
+        assert!(s.push_span(span));
+        assert_eq!(s.gathered()[1..].to_vec(), vec![7u8; 16]);
+        assert!(s.spans().all(|s| s.hold().is_some()));
+        drop(region);
+        assert!(s.spans().any(|s| s.hold().is_none()), "sent copied, then");
+        assert_eq!(s.gathered().to_vec(), [&[1u8][..], &[0u8; 16]].concat());
     }
 }

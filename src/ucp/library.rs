@@ -57,6 +57,9 @@ const SHARED_MEMORY_FIFO_ELEMENT: &CStr = c"256";
 const SHARED_MEMORY_FIFO_ELEMENT_BYTES: usize = 256;
 /// UCX's default number of elements in a shared-memory FIFO (`UCX_MM_FIFO_SIZE`).
 const SHARED_MEMORY_FIFO_SLOTS: u64 = 64;
+/// IOV entries a TCP send takes in one piece (see [`Ucx::context_options`]): UCP's own
+/// limit (`UCP_MAX_IOV`), one entry of which its AM header takes.
+const TCP_SEND_IOV_MAX: &CStr = c"16";
 const LIBUCP: &CStr = c"libucp.so.0";
 const LIBIBVERBS: &CStr = c"libibverbs.so.1";
 
@@ -235,6 +238,14 @@ impl Ucx {
     ///   registration of pages the application has since unmapped (or ugdr has remapped for the
     ///   same-host path): where UCX has RDMA devices, application memory is registered per use.
     ///   (Without devices this is not set: UCX warns about an option no component reads.)
+    /// * TCP sends of up to 16 IOV entries in one piece instead of 6 (`UCX_TCP_MAX_IOV`): a
+    ///   bundle of a WR list (`engine::wire`) is a gather list of ugdr's frames and the
+    ///   application's large spans (`SPLICED_SPANS_MAX` of them), and a message whose list
+    ///   UCX's limit cuts goes in fragments that the receiver copies back together. UCX
+    ///   matches a transport's option by its name without the transport's prefix, so this
+    ///   is `MAX_IOV`, which the cross-memory-attach transport reads too (its default is 16
+    ///   already). Not set where `UCX_TLS` leaves TCP out, or where the user set
+    ///   `UCX_TCP_MAX_IOV` or `UCX_CMA_MAX_IOV`.
     pub(crate) fn context_options(&self) -> Vec<(&'static CStr, &'static CStr)> {
         let mut options = Vec::new();
         let tls = std::env::var("UCX_TLS").ok();
@@ -242,6 +253,13 @@ impl Ucx {
             && !fifo_option_set_by_user("FIFO_ELEM_SIZE")
         {
             options.push((c"MM_FIFO_ELEM_SIZE", SHARED_MEMORY_FIFO_ELEMENT));
+        }
+        if tcp_wanted(tls.as_deref())
+            && ["TCP", "CMA"]
+                .iter()
+                .all(|tl| std::env::var_os(format!("UCX_{tl}_MAX_IOV")).is_none())
+        {
+            options.push((c"MAX_IOV", TCP_SEND_IOV_MAX));
         }
         if matches!(self.namespace, Namespace::Own(_))
             && self.rdma != Rdma::Off
@@ -345,6 +363,18 @@ pub fn ucx_version() -> Result<String, Error> {
     Ok(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }
 
+/// Whether `UCX_TLS` (`tls`, if set) may select TCP.
+fn tcp_wanted(tls: Option<&str>) -> bool {
+    let Some(tls) = tls else {
+        return true;
+    };
+    let named = |list: &str| list.split(',').any(|t| t.trim() == "tcp");
+    match tls.strip_prefix('^') {
+        Some(excluded) => !named(excluded),
+        None => named(tls) || tls.split(',').any(|t| t.trim() == "all"),
+    }
+}
+
 /// Whether `UCX_TLS` (`tls`, if set) may select a shared-memory transport.
 fn shared_memory_transports_wanted(tls: Option<&str>) -> bool {
     let Some(tls) = tls else {
@@ -391,6 +421,33 @@ mod tests {
                 .parse::<usize>()
                 .unwrap(),
             SHARED_MEMORY_FIFO_ELEMENT_BYTES
+        );
+    }
+
+    #[test]
+    fn tcp_iov_is_set_only_where_tcp_may_be_used() {
+        for tls in [
+            None,
+            Some("all"),
+            Some("tcp"),
+            Some("sm, tcp"),
+            Some("^posix"),
+        ] {
+            assert!(tcp_wanted(tls), "{tls:?}");
+        }
+        for tls in [
+            Some("sm"),
+            Some("^tcp"),
+            Some("^sm,tcp"),
+            Some("rc,ud"),
+            Some(""),
+        ] {
+            assert!(!tcp_wanted(tls), "{tls:?}");
+        }
+        assert_eq!(
+            TCP_SEND_IOV_MAX.to_str().unwrap().parse::<usize>().unwrap(),
+            2 * crate::ucp::SPLICED_SPANS_MAX + 2,
+            "a bundle's gather list and UCX's header fit in one TCP send"
         );
     }
 

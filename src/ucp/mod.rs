@@ -19,7 +19,10 @@ mod memory;
 mod status;
 mod worker;
 
-pub use endpoint::{Endpoint, ErrorHandler, OwnedBytes, SendDone, SendPayload, SendState};
+pub use endpoint::{
+    Endpoint, ErrorHandler, OwnedBytes, SPLICED_SPANS_MAX, SendDone, SendPayload, SendState,
+    Spliced,
+};
 pub use library::{Namespace, Rdma, Ucx, ucx_version};
 pub use memory::{
     AppRegion, AppSpan, Hold, HostBuffer, Invalidation, Loss, RegionExtent, SpanList,

@@ -18,7 +18,7 @@ use crate::engine::multicast::{AttachError, is_multicast_gid, is_multicast_lid};
 use crate::engine::wire::Header;
 use crate::fake_verbs::VerbsError;
 use crate::fake_verbs::qp_state::{QpState, QpType};
-use crate::ucp::{AmPayload, LockedWorker, SendPayload};
+use crate::ucp::{AmPayload, LockedWorker};
 use std::sync::Arc;
 
 impl QueuePair {
@@ -73,11 +73,8 @@ impl QueuePair {
         mgid: &[u8; 16],
         message: DataMessage,
     ) {
-        let data = match &message.payload {
-            SendPayload::None => Vec::new(),
-            SendPayload::Spans(spans) => crate::ucp::gather(spans),
-            SendPayload::Owned(bytes) => bytes.to_vec(),
-        };
+        let mut data = crate::ucp::OwnedBytes::new();
+        message.payload.append_to(&mut data);
         if let Some(engine) = Engine::running() {
             engine.multicast_send(locked, mgid, &message.header, &data);
         }

@@ -12,9 +12,19 @@ use super::queues::{DataMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
 use crate::engine::direct::{self, AtomicOp, DirectAccess};
 use crate::engine::wire::{self, Header, Op};
-use crate::ucp::{AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState, SpanList};
+use crate::ucp::{
+    AppSpan, Endpoint, LockedWorker, OwnedBytes, SendPayload, SendState, SpanList, Spliced,
+};
 use smallvec::SmallVec;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// This process's bundles (`send_batch`): how many, and the bytes copied into them (frames
+/// included) and sent by reference. `UGDR_LOG=debug` shows them at each power of two of the
+/// first. Counted as the responder counts its deliveries (`responder::count`).
+static BUNDLES: AtomicU64 = AtomicU64::new(0);
+static BUNDLE_BYTES_COPIED: AtomicU64 = AtomicU64::new(0);
+static BUNDLE_BYTES_BY_REFERENCE: AtomicU64 = AtomicU64::new(0);
 
 /// The data messages (by PSN) one UCX send carries.
 type Seqs = SmallVec<[u32; 8]>;
@@ -135,15 +145,16 @@ impl QueuePair {
                 self.start_send(locked, &m.endpoint, &m.header, m.payload, Some(m.seq))
             }
             _ => {
-                let total = batch
-                    .iter()
-                    .map(|m| wire::BUNDLE_FRAME + m.payload.len())
-                    .sum();
-                let mut body = OwnedBytes::with_capacity(total);
+                // Frames and small payloads are copied into the bundle; large spans of
+                // application memory go to UCX by reference (one `sendmsg` gathers them).
+                let mut body = Box::new(Spliced::with_capacity(
+                    batch.len() * (wire::BUNDLE_FRAME + 64),
+                ));
                 for m in batch.iter() {
-                    wire::push_bundle_frame(&mut body, &m.header, m.payload.len());
-                    m.payload.append_to(&mut body);
+                    body.extend_from_slice(&wire::bundle_frame(&m.header, m.payload.len()));
+                    body.push_payload(&m.payload, wire::BUNDLE_SPLICE_MIN);
                 }
+                note_bundle(&body);
                 let seqs: Seqs = batch.iter().map(|m| m.seq).collect();
                 let endpoint = Arc::clone(&batch[0].endpoint);
                 batch.clear();
@@ -152,7 +163,7 @@ impl QueuePair {
                     &endpoint,
                     true,
                     &wire::bundle_header(),
-                    SendPayload::Owned(body),
+                    SendPayload::Spliced(body),
                     seqs,
                 )
             }
@@ -540,7 +551,7 @@ impl QueuePair {
         let copied = self.qp_type == QpType::Ud;
         // UCX reads application memory until the send completes: counted, so that
         // `destroy` can wait for it (`QueuePair::ucx_io`).
-        let reads_app = matches!(payload, SendPayload::Spans(_));
+        let reads_app = payload.reads_app();
         let result = if seqs.is_empty() {
             // An ACK, or an answer (a READ's bytes from registered memory).
             let make_done = || {
@@ -822,5 +833,22 @@ impl QueuePair {
         self.apply_ack(q, psn);
         self.completed_at_post(q, req, psn, length);
         Some(None)
+    }
+}
+
+/// Counts a bundle (see [`BUNDLES`]).
+fn note_bundle(body: &Spliced) {
+    let add = |counter: &AtomicU64, n: usize| {
+        let total = counter.load(Ordering::Relaxed) + n as u64;
+        counter.store(total, Ordering::Relaxed);
+        total
+    };
+    let copied = add(&BUNDLE_BYTES_COPIED, body.len() - body.by_reference());
+    let by_reference = add(&BUNDLE_BYTES_BY_REFERENCE, body.by_reference());
+    let bundles = super::responder::count(&BUNDLES);
+    if bundles.is_power_of_two() {
+        tracing::debug!(
+            "rc bundles: {bundles} sent, {copied} bytes copied into them, {by_reference} sent by reference"
+        );
     }
 }

@@ -578,7 +578,7 @@ impl QueuePair {
 }
 
 /// One more in a statistics counter (see [`DELIVERED`]); returns the new count.
-fn count(counter: &AtomicU64) -> u64 {
+pub(super) fn count(counter: &AtomicU64) -> u64 {
     let n = counter.load(Ordering::Relaxed) + 1;
     counter.store(n, Ordering::Relaxed);
     n
