@@ -40,9 +40,9 @@ pub struct Spliced {
 
 /// The most spans [`Spliced`] sends by reference in one message. A gather list of `k` spans
 /// is at most `2k + 1` IOV entries, and UCX sends a message in one piece only when its IOV
-/// fits the transport's (its AM header takes one more entry; over TCP ugdr sets
-/// `UCX_TCP_MAX_IOV` to 16, `Ucx::context_options`): beyond that UCX cuts the message into
-/// fragments that the receiver must copy back together.
+/// fits the transport's (its AM header takes one more entry; ugdr raises TCP's limit from 6
+/// to 16, `Ucx::context_options`): beyond that UCX cuts the message into fragments that the
+/// receiver must copy back together.
 pub const SPLICED_SPANS_MAX: usize = 7;
 
 impl Spliced {
