@@ -147,9 +147,14 @@ impl QueuePair {
             _ => {
                 // Frames and small payloads are copied into the bundle; large spans of
                 // application memory go to UCX by reference (one `sendmsg` gathers them).
-                let mut body = Box::new(Spliced::with_capacity(
-                    batch.len() * (wire::BUNDLE_FRAME + 64),
-                ));
+                let copied = batch
+                    .iter()
+                    .map(|m| match m.payload.len() {
+                        n if n < wire::BUNDLE_SPLICE_MIN => wire::BUNDLE_FRAME + n,
+                        _ => wire::BUNDLE_FRAME,
+                    })
+                    .sum();
+                let mut body = Box::new(Spliced::with_capacity(copied));
                 for m in batch.iter() {
                     body.extend_from_slice(&wire::bundle_frame(&m.header, m.payload.len()));
                     body.push_payload(&m.payload, wire::BUNDLE_SPLICE_MIN);
