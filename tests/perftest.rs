@@ -309,14 +309,17 @@ fn a_bundle_carries_large_buffers_by_reference_across_hosts() {
     for (side, name) in [(&s, "server"), (&c, "client")] {
         let (bundles, copied, by_reference) = bundle_counts(side, name);
         assert!(bundles >= 512, "{name}: {bundles} bundles");
-        assert_eq!(
-            by_reference,
-            bundles * 7 * 4096,
-            "{name}: 7 of 8 SENDs of each bundle by reference ({copied} bytes copied)"
-        );
+        // UCX takes the IOV limit ugdr sets for TCP (a misspelt option only draws a warning).
         assert!(
-            copied < bundles * (4096 + 8 * 64),
-            "{name}: {copied} bytes copied into {bundles} bundles"
+            !text(side).contains("UCX  WARN"),
+            "{name}: UCX warned\n{}",
+            text(side)
+        );
+        // Of a bundle of 8: 7 * 4096 by reference; 4096 and 8 frames copied (86%). Smaller
+        // bundles (retransmissions) send all their SENDs by reference.
+        assert!(
+            by_reference * 10 >= (by_reference + copied) * 8,
+            "{name}: {by_reference} bytes by reference, {copied} copied, in {bundles} bundles"
         );
     }
 }
