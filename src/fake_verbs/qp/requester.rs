@@ -70,7 +70,13 @@ impl QueuePair {
             for (i, req) in requests.into_iter().enumerate() {
                 match req.and_then(|r| self.post_send_locked(q, r, None)) {
                     Ok(Some(m)) if first.is_none() => first = Some(m),
-                    Ok(Some(m)) => rest.push(m),
+                    Ok(Some(m)) => {
+                        if rest.capacity() == 0 {
+                            // A list of several: room for SPDK's (~10) at once, not 4, 8, 16.
+                            rest.reserve(15);
+                        }
+                        rest.push(m)
+                    }
                     Ok(None) => {}
                     Err(e) => {
                         posted = Err((i, e));
