@@ -220,19 +220,32 @@ fn ib_send_bw_acknowledges_unsignaled_sends_in_batches() {
     );
 }
 
-/// The last "rc responders" counts in a side's `UGDR_LOG=debug` log (logged at each power of
-/// two of requests delivered): requests delivered, and ACKs that went as messages of their own.
-fn responder_counts(side: &Output, name: &str) -> (u64, u64) {
+/// The first `N` numbers of the last line in a side's `UGDR_LOG=debug` log that holds
+/// `marker` (statistics ugdr logs at each power of two), read after the marker.
+fn last_counts<const N: usize>(side: &Output, name: &str, marker: &str) -> [u64; N] {
     String::from_utf8_lossy(&side.stderr)
         .lines()
         .rev()
         .find_map(|l| {
-            let rest = l.split("rc responders: ").nth(1)?;
-            let (delivered, rest) = rest.split_once(" requests delivered, ")?;
-            let alone = rest.split_once(" ACKs sent alone")?.0;
-            Some((delivered.parse::<u64>().ok()?, alone.parse::<u64>().ok()?))
+            let mut numbers = l
+                .split(marker)
+                .nth(1)?
+                .split(|c: char| !c.is_ascii_digit())
+                .filter_map(|w| w.parse::<u64>().ok());
+            let mut counts = [0; N];
+            for c in &mut counts {
+                *c = numbers.next()?;
+            }
+            Some(counts)
         })
-        .unwrap_or_else(|| panic!("no responder counts in the {name}'s log\n{}", text(side)))
+        .unwrap_or_else(|| panic!("no \"{marker}\" counts in the {name}'s log\n{}", text(side)))
+}
+
+/// The last "rc responders" counts (logged at each power of two of requests delivered):
+/// requests delivered, and ACKs that went as messages of their own.
+fn responder_counts(side: &Output, name: &str) -> (u64, u64) {
+    let [delivered, alone] = last_counts(side, name, "rc responders: ");
+    (delivered, alone)
 }
 
 /// `ib_send_bw -b ARGS` between two namespaces with private IPC and tmpfs, both sides logging
@@ -277,24 +290,11 @@ fn acks_of_a_bundle_ride_on_the_answer_across_hosts() {
     }
 }
 
-/// The last "rc bundles" counts in a side's `UGDR_LOG=debug` log: bundles sent, bytes copied
-/// into them, bytes sent by reference.
+/// The last "rc bundles" counts: bundles sent, bytes copied into them, bytes sent by
+/// reference.
 fn bundle_counts(side: &Output, name: &str) -> (u64, u64, u64) {
-    String::from_utf8_lossy(&side.stderr)
-        .lines()
-        .rev()
-        .find_map(|l| {
-            let rest = l.split("rc bundles: ").nth(1)?;
-            let (bundles, rest) = rest.split_once(" sent, ")?;
-            let (copied, rest) = rest.split_once(" bytes copied into them, ")?;
-            let by_reference = rest.split_once(" sent by reference")?.0;
-            Some((
-                bundles.parse().ok()?,
-                copied.parse().ok()?,
-                by_reference.parse().ok()?,
-            ))
-        })
-        .unwrap_or_else(|| panic!("no bundle counts in the {name}'s log\n{}", text(side)))
+    let [bundles, copied, by_reference] = last_counts(side, name, "rc bundles: ");
+    (bundles, copied, by_reference)
 }
 
 /// Across hosts a WR list of 4 KiB SENDs goes as bundles that carry the application's

@@ -23,19 +23,18 @@ pub enum SendPayload {
     /// Bytes ugdr owns (inline data, replies); kept alive by the request.
     Owned(OwnedBytes),
     /// Bytes ugdr owns with application spans spliced in between them, sent as one gather
-    /// list: the spans' bytes go to UCX by reference, not copied (a bundle's payloads).
-    /// Boxed: it is large, and every payload moves as often as a WR does.
+    /// list: the spans' bytes go to UCX by reference, not copied (several messages' payloads
+    /// in one send). Boxed: it is large, and every payload moves as often as a message does.
     Spliced(Box<Spliced>),
 }
 
 /// Owned bytes with application spans spliced in at given offsets: the message is
 /// `bytes[..at_0]`, span 0, `bytes[at_0..at_1]`, span 1, …, `bytes[at_last..]`. Built in order
 /// with [`Spliced::extend_from_slice`] and [`Spliced::push_span`].
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Spliced {
     bytes: OwnedBytes,
     spans: SmallVec<[(usize, AppSpan); SPLICED_SPANS_MAX]>,
-    spans_len: usize,
 }
 
 /// The most spans [`Spliced`] sends by reference in one message. A gather list of `k` spans
@@ -65,7 +64,6 @@ impl Spliced {
             return false;
         }
         if !span.is_empty() {
-            self.spans_len += span.len();
             self.spans.push((self.bytes.len(), span));
         }
         true
@@ -87,12 +85,12 @@ impl Spliced {
     }
 
     pub fn len(&self) -> usize {
-        self.bytes.len() + self.spans_len
+        self.bytes.len() + self.by_reference()
     }
 
     /// The bytes sent by reference (the spans').
     pub fn by_reference(&self) -> usize {
-        self.spans_len
+        self.spans().map(AppSpan::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -153,11 +151,7 @@ impl Clone for SendPayload {
             SendPayload::None => SendPayload::None,
             SendPayload::Spans(spans) => SendPayload::Spans(SpanList::from_slice(spans)),
             SendPayload::Owned(bytes) => SendPayload::Owned(OwnedBytes::from_slice(bytes)),
-            SendPayload::Spliced(spliced) => SendPayload::Spliced(Box::new(Spliced {
-                bytes: OwnedBytes::from_slice(&spliced.bytes),
-                spans: SmallVec::from_slice(&spliced.spans),
-                spans_len: spliced.spans_len,
-            })),
+            SendPayload::Spliced(spliced) => SendPayload::Spliced(spliced.clone()),
         }
     }
 }
@@ -458,7 +452,7 @@ impl Endpoint {
                 ),
             },
             // Spans are sent by reference only while all of them are held; else all copied.
-            SendPayload::Spliced(spliced) => match spliced.spans().map(AppSpan::hold).collect() {
+            SendPayload::Spliced(spliced) => match hold_all(spliced.spans()) {
                 Some(held) => (SendPayload::Spliced(spliced), held),
                 None => (SendPayload::Owned(spliced.gathered()), SmallVec::new()),
             },
@@ -491,7 +485,7 @@ impl Endpoint {
                 r.iov.extend(bytes_iov(&r.owned));
             }
             SendPayload::Spliced(spliced) => {
-                let Spliced { bytes, spans, .. } = *spliced;
+                let Spliced { bytes, spans } = *spliced;
                 // The owned bytes move into the (boxed) buffer first, then the IOV points at
                 // them there; the spans stay where they are.
                 r.owned = bytes;

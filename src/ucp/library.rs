@@ -239,9 +239,9 @@ impl Ucx {
     ///   same-host path): where UCX has RDMA devices, application memory is registered per use.
     ///   (Without devices this is not set: UCX warns about an option no component reads.)
     /// * TCP sends of up to 16 IOV entries in one piece instead of 6 (`UCX_TCP_MAX_IOV`): a
-    ///   bundle of a WR list (`engine::wire`) is a gather list of ugdr's frames and the
-    ///   application's large spans (`SPLICED_SPANS_MAX` of them), and a message whose list
-    ///   UCX's limit cuts goes in fragments that the receiver copies back together. UCX
+    ///   [`Spliced`](super::Spliced) payload is a gather list of owned bytes and up to
+    ///   `SPLICED_SPANS_MAX` application spans, and a message whose list UCX's limit cuts
+    ///   goes in fragments that the receiver copies back together. UCX
     ///   matches a transport's option by its name without the transport's prefix, so this
     ///   is `MAX_IOV`, which the cross-memory-attach transport reads too (its default is 16
     ///   already). Not set where `UCX_TLS` leaves TCP out, or where the user set

@@ -779,12 +779,10 @@ pub fn gather_into(spans: &[AppSpan], dst: &mut [u8]) -> usize {
 }
 
 /// Holds every span (see [`AppSpan::hold`]); `None` if any of their regions died.
-pub fn hold_all(spans: &[AppSpan]) -> Option<smallvec::SmallVec<[Hold; 4]>> {
-    let mut held = smallvec::SmallVec::new();
-    for s in spans {
-        held.push(s.hold()?);
-    }
-    Some(held)
+pub fn hold_all<'a>(
+    spans: impl IntoIterator<Item = &'a AppSpan>,
+) -> Option<smallvec::SmallVec<[Hold; 4]>> {
+    spans.into_iter().map(AppSpan::hold).collect()
 }
 
 /// Copies `src` into `spans`, in order; returns the bytes written (≤ the spans' total). The

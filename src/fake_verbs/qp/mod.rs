@@ -377,3 +377,13 @@ impl MessageReceiver for QueuePair {
         QueuePair::tick(&self, locked, now)
     }
 }
+
+/// Adds `n` to a statistics counter and returns the new total: a plain load and store, not a
+/// locked add, since the counters are updated under the worker lock and a count lost to a race
+/// only blurs a log line.
+fn add_to_statistic(counter: &std::sync::atomic::AtomicU64, n: u64) -> u64 {
+    use std::sync::atomic::Ordering;
+    let total = counter.load(Ordering::Relaxed) + n;
+    counter.store(total, Ordering::Relaxed);
+    total
+}

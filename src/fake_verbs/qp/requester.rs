@@ -17,11 +17,11 @@ use crate::ucp::{
 };
 use smallvec::SmallVec;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
 /// This process's bundles (`send_batch`): how many, and the bytes copied into them (frames
 /// included) and sent by reference. `UGDR_LOG=debug` shows them at each power of two of the
-/// first. Counted as the responder counts its deliveries (`responder::count`).
+/// first. Counted as the responder counts its deliveries ([`super::add_to_statistic`]).
 static BUNDLES: AtomicU64 = AtomicU64::new(0);
 static BUNDLE_BYTES_COPIED: AtomicU64 = AtomicU64::new(0);
 static BUNDLE_BYTES_BY_REFERENCE: AtomicU64 = AtomicU64::new(0);
@@ -849,14 +849,13 @@ impl QueuePair {
 
 /// Counts a bundle (see [`BUNDLES`]).
 fn note_bundle(body: &Spliced) {
-    let add = |counter: &AtomicU64, n: usize| {
-        let total = counter.load(Ordering::Relaxed) + n as u64;
-        counter.store(total, Ordering::Relaxed);
-        total
-    };
-    let copied = add(&BUNDLE_BYTES_COPIED, body.len() - body.by_reference());
-    let by_reference = add(&BUNDLE_BYTES_BY_REFERENCE, body.by_reference());
-    let bundles = super::responder::count(&BUNDLES);
+    let add = super::add_to_statistic;
+    let copied = add(
+        &BUNDLE_BYTES_COPIED,
+        (body.len() - body.by_reference()) as u64,
+    );
+    let by_reference = add(&BUNDLE_BYTES_BY_REFERENCE, body.by_reference() as u64);
+    let bundles = add(&BUNDLES, 1);
     if bundles.is_power_of_two() {
         tracing::debug!(
             "rc bundles: {bundles} sent, {copied} bytes copied into them, {by_reference} sent by reference"

@@ -578,10 +578,8 @@ impl QueuePair {
 }
 
 /// One more in a statistics counter (see [`DELIVERED`]); returns the new count.
-pub(super) fn count(counter: &AtomicU64) -> u64 {
-    let n = counter.load(Ordering::Relaxed) + 1;
-    counter.store(n, Ordering::Relaxed);
-    n
+fn count(counter: &AtomicU64) -> u64 {
+    super::add_to_statistic(counter, 1)
 }
 
 /// Notes a request whose requester waits for its ACK (it came without
