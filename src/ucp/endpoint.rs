@@ -16,7 +16,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub type OwnedBytes = SmallVec<[u8; 64]>;
 
 /// What a send carries after its header.
+#[derive(Default)]
 pub enum SendPayload {
+    #[default]
     None,
     /// Application memory (checked spans); must stay valid until the send completes.
     Spans(SpanList),

@@ -22,7 +22,7 @@ impl QueuePair {
     pub(super) fn post_local_operation(
         &self,
         q: &mut Queues,
-        req: SendRequest,
+        req: &SendRequest,
     ) -> Result<Option<DataMessage>, VerbsError> {
         if !req.sges.is_empty() || req.inline_data.is_some() {
             return Err(VerbsError::Invalid(
