@@ -255,6 +255,37 @@ pub const BUNDLE_MAX: usize = 65536 - 256;
 /// `ib_send_bw -l 8 -s 8192` and bdevperf's 4 KiB verify unchanged within their noise.
 pub const FIRST_BUNDLE_MAX: usize = 36 << 10;
 
+/// How a WR list's messages go out, in order, as ranges of their indices, each one UCX send:
+/// consecutive messages that may travel together (`bundle`: toward a peer on another host)
+/// and go to the same peer process (`to`) as one bundle while its framed size stays within
+/// [`FIRST_BUNDLE_MAX`] for the list's first send and [`BUNDLE_MAX`] after it; any other
+/// message alone (a one-message range). Each item is a message's payload length, whether it
+/// may be bundled, and its peer.
+pub fn bundle_plan<P: PartialEq>(
+    messages: impl IntoIterator<Item = (usize, bool, P)>,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let mut messages = messages.into_iter().enumerate().peekable();
+    // Small until the list's first send, so that the peer starts on the list early.
+    let mut limit = FIRST_BUNDLE_MAX;
+    std::iter::from_fn(move || {
+        let (start, (len, bundle, to)) = messages.next()?;
+        let mut end = start + 1;
+        let mut bytes = BUNDLE_FRAME + len;
+        if bundle && bytes <= limit {
+            while let Some((_, (len, true, next_to))) = messages.peek()
+                && *next_to == to
+                && bytes + BUNDLE_FRAME + len <= limit
+            {
+                bytes += BUNDLE_FRAME + len;
+                end += 1;
+                messages.next();
+            }
+        }
+        limit = BUNDLE_MAX;
+        Some(start..end)
+    })
+}
+
 /// The AM header of a bundle.
 pub fn bundle_header() -> [u8; HEADER_LEN] {
     let mut b = [0u8; HEADER_LEN];
@@ -339,6 +370,62 @@ pub fn psn_before(a: u32, b: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The ranges `bundle_plan` makes of messages (payload length, may be bundled, peer).
+    fn plan(messages: &[(usize, bool, u8)]) -> Vec<std::ops::Range<usize>> {
+        bundle_plan(messages.iter().copied()).collect()
+    }
+
+    #[test]
+    fn a_list_goes_as_a_small_first_bundle_then_full_ones() {
+        assert!(plan(&[]).is_empty());
+        assert_eq!(plan(&[(64, true, 0)]), vec![0..1]);
+        // 4 KiB payloads: eight framed fit the first 36 KiB, fifteen each bundle after it.
+        let framed = BUNDLE_FRAME + 4096;
+        assert_eq!(FIRST_BUNDLE_MAX / framed, 8);
+        assert_eq!(BUNDLE_MAX / framed, 15);
+        let list = vec![(4096, true, 0); 40];
+        assert_eq!(plan(&list), vec![0..8, 8..23, 23..38, 38..40]);
+    }
+
+    #[test]
+    fn a_message_that_may_not_be_bundled_goes_alone_and_ends_the_bundle_before_it() {
+        let list = [
+            (64, true, 0),
+            (64, true, 0),
+            (64, false, 0),
+            (64, true, 0),
+            (64, true, 0),
+        ];
+        assert_eq!(plan(&list), vec![0..2, 2..3, 3..5]);
+        // Toward a peer on this host nothing is bundled.
+        assert_eq!(plan(&[(64, false, 0); 3]), vec![0..1, 1..2, 2..3]);
+    }
+
+    #[test]
+    fn a_message_too_large_for_a_bundle_goes_alone_and_lifts_the_first_send_limit() {
+        let big = FIRST_BUNDLE_MAX; // framed, above the first limit, within the later one
+        assert_eq!(
+            plan(&[(big, true, 0), (64, true, 0), (64, true, 0)]),
+            vec![0..1, 1..3]
+        );
+        // After the first send a bundle may take it.
+        assert_eq!(
+            plan(&[(64, false, 0), (big, true, 0), (64, true, 0)]),
+            vec![0..1, 1..3]
+        );
+        let huge = BUNDLE_MAX; // above every limit once framed
+        assert_eq!(
+            plan(&[(64, true, 0), (huge, true, 0), (64, true, 0)]),
+            vec![0..1, 1..2, 2..3]
+        );
+    }
+
+    #[test]
+    fn a_bundle_goes_to_one_peer() {
+        let list = [(64, true, 1), (64, true, 1), (64, true, 2), (64, true, 1)];
+        assert_eq!(plan(&list), vec![0..2, 2..3, 3..4]);
+    }
 
     #[test]
     fn header_round_trips_every_field() {

@@ -100,49 +100,26 @@ impl QueuePair {
         posted.map(|()| sent)
     }
 
-    /// Sends a WR list's messages in order: consecutive small ones to the same peer process on
-    /// another host go as one bundle (`wire::bundle_header`), one UCX send — over TCP one
-    /// syscall and one segment instead of one per WR — the rest one by one; the list's first
-    /// bundle is kept small (`wire::FIRST_BUNDLE_MAX`). Stops once the QP failed. Payloads are
-    /// taken from `messages` as they go.
+    /// Sends a WR list's messages in order (`wire::bundle_plan`): consecutive small ones to the
+    /// same peer process on another host as one bundle (`wire::bundle_header`), one UCX send —
+    /// over TCP one syscall and one segment instead of one per WR — the rest one by one. Stops
+    /// once the QP failed. Payloads are taken from `messages` as they go.
     fn send_data_messages(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
         messages: &mut [DataMessage],
     ) {
-        // The batch being gathered: `messages[start..i]`, of `batch_bytes` framed.
-        let mut start = 0;
-        let mut batch_bytes = 0;
-        // Small until the list's first send, so that the peer starts on the list early.
-        let mut limit = wire::FIRST_BUNDLE_MAX;
-        for i in 0..messages.len() {
-            let m = &messages[i];
-            let (len, bundle) = (wire::BUNDLE_FRAME + m.payload.len(), m.bundle);
-            let joins = bundle
-                && start < i
-                && Arc::ptr_eq(&messages[start].endpoint, &m.endpoint)
-                && batch_bytes + len <= limit;
-            if !joins && start < i {
-                limit = wire::BUNDLE_MAX;
-                if !self.send_batch(locked, &mut messages[start..i]) {
-                    return;
-                }
-            }
-            if joins {
-                batch_bytes += len;
-            } else if bundle && len <= limit {
-                (start, batch_bytes) = (i, len);
-            } else {
-                limit = wire::BUNDLE_MAX;
-                start = i + 1;
-                let m = &mut messages[i];
-                let payload = std::mem::take(&mut m.payload);
-                if !self.start_send(locked, &m.endpoint, &m.header, payload, Some(m.seq)) {
-                    return; // the QP failed: what follows was flushed
-                }
+        let plan = wire::bundle_plan(
+            messages
+                .iter()
+                .map(|m| (m.payload.len(), m.bundle, Arc::as_ptr(&m.endpoint))),
+        );
+        let sends: SmallVec<[std::ops::Range<usize>; 8]> = plan.collect();
+        for send in sends {
+            if !self.send_batch(locked, &mut messages[send]) {
+                return; // the QP failed: what follows was flushed
             }
         }
-        self.send_batch(locked, &mut messages[start..]);
     }
 
     /// Sends `batch` (one message alone, several as a bundle), taking its payloads; false when
@@ -187,7 +164,7 @@ impl QueuePair {
     fn post_datagram(
         self: &Arc<Self>,
         locked: &LockedWorker<'_>,
-        req: SendRequest,
+        mut req: SendRequest,
     ) -> Result<(), VerbsError> {
         let Some(ud) = &req.ud else {
             return Err(VerbsError::Invalid("UD send without an address handle"));
@@ -199,7 +176,6 @@ impl QueuePair {
         }
         let datagram_to = Some(ud.ah.endpoint(locked));
         let group = ud.ah.group().copied();
-        let mut req = req;
         let message =
             self.locked_then_send(locked, |q| self.post_send_locked(q, &mut req, datagram_to))?;
         match (message, group) {
