@@ -595,6 +595,35 @@ fn sends_beyond_what_the_responder_keeps_go_again_after_its_rnr_timer() {
     assert_eq!(a.drain(400).1, [(WC_SUCCESS, 400)]);
 }
 
+/// The requester sends again when the responder's RNR timer runs out (`min_rnr_timer` 12:
+/// 0.64 ms), as a HCA does, not at its own next timer tick (10 ms): while the responder has
+/// no receive WR for 300 ms, the SEND it RNR-NAKs goes again every millisecond or so. Before,
+/// about 30 times (once per tick), which a stream of SENDs outrunning its receiver's reposts
+/// felt as 10 ms stalls.
+#[test]
+fn an_rnr_naked_send_goes_again_when_the_rnr_timer_runs_out() {
+    let mut a = QpPeer::local_with("a", 0x11, &[("UGDR_LOG", "debug")]);
+    let mut b = QpPeer::local("b", 0x22);
+    a.cmd("init");
+    a.cmd(&format!("rtr {} {} {}", b.lid, b.qpn, 0x200));
+    a.cmd(&format!("rts {} 20 7 7", 0x100));
+    b.connect(a.lid, a.qpn, 0x100, 0x200, 7, 7);
+    // More than the responder keeps without receive WRs (256): the rest are RNR-NAKed.
+    a.cmd("send 1 64 300");
+    std::thread::sleep(Duration::from_millis(300));
+    b.cmd("recv 1000 64 300");
+    assert_eq!(b.drain(300).1, [(WC_SUCCESS, 300)]);
+    assert_eq!(b.cmd("seq 64 300"), ["seq ok"]);
+    assert_eq!(a.drain(300).1, [(WC_SUCCESS, 300)]);
+    let log = a.stderr();
+    let resends = log.matches("RNR NAK for psn").count();
+    // ~300 when each wait takes its 0.64 ms and a wake-up; 100 leaves room for a busy host.
+    assert!(
+        resends >= 100,
+        "{resends} resends after RNR NAKs in 300 ms:\n{log}"
+    );
+}
+
 /// QP numbers are random: neither the process id nor the previous number predicts them.
 #[test]
 fn qp_numbers_are_not_derived_from_the_pid_nor_consecutive() {

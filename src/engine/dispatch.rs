@@ -302,6 +302,42 @@ pub fn arm_timer(qpn: u32) {
     }
 }
 
+/// When (µs since [`epoch`]; 0: never) the armed timers must run before their next
+/// [`TIMER_TICK`]: the end of an RNR NAK's wait, which is far shorter than a tick (a
+/// responder's `min_rnr_timer` 12 is 640 µs), and after which a HCA sends again at once.
+static EARLY_TICK_US: AtomicU64 = AtomicU64::new(0);
+
+/// An armed QP's timer must run `after` from now (an RNR NAK's wait ends then), maybe sooner
+/// than the next tick: the progress thread runs the timers then (woken if it sleeps longer).
+pub fn tick_early(after: Duration) {
+    let at = now_us().saturating_add(after.as_micros() as u64);
+    let earlier = EARLY_TICK_US
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+            (t == 0 || at < t).then_some(at)
+        })
+        .is_ok();
+    if earlier && let Some(engine) = super::Engine::running() {
+        engine.worker.signal();
+    }
+}
+
+/// How long until the timers must run early ([`tick_early`]); None when nothing asked.
+pub(super) fn early_tick_in() -> Option<Duration> {
+    let at = EARLY_TICK_US.load(Ordering::Acquire);
+    (at != 0).then(|| Duration::from_micros(at.saturating_sub(now_us())))
+}
+
+/// Whether the timers must run early now; if so, forgets it (a QP whose wait is not over yet
+/// asks again when its timer runs).
+pub(super) fn take_early_tick() -> bool {
+    let now = now_us();
+    EARLY_TICK_US
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+            (t != 0 && t <= now).then_some(0)
+        })
+        .is_ok()
+}
+
 /// Whether any QP's timer runs.
 pub(super) fn timers_armed() -> bool {
     ARMED_COUNT.load(Ordering::Acquire) != 0

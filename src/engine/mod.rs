@@ -32,7 +32,7 @@ pub mod wire;
 
 pub use dispatch::{
     ACK_BATCH_POLLS, AckFlush, MessageReceiver, Peer, TIMER_TICK, ack_batch_full, ack_wanted_soon,
-    arm_timer, full_batch_cutoff, owe_ack, still_owe_ack,
+    arm_timer, full_batch_cutoff, owe_ack, still_owe_ack, tick_early,
 };
 pub use error::EngineError;
 pub use progress::{ProgressConfig, ProgressMode};
@@ -738,10 +738,14 @@ pub(super) fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
         return;
     }
     let now = std::time::Instant::now();
-    if now < *next_tick {
+    // An RNR NAK's wait ending runs them early; the regular ticks go on as they were.
+    let early = dispatch::take_early_tick();
+    if now < *next_tick && !early {
         return;
     }
-    *next_tick = now + TIMER_TICK;
+    if now >= *next_tick {
+        *next_tick = now + TIMER_TICK;
+    }
     let locked = worker.lock();
     // Answers that already arrived count before any timer expires (this thread may have been
     // kept off the CPU for a while).

@@ -543,6 +543,9 @@ pub(super) fn run(
         if let Some(due) = super::dispatch::owed_acks_due_in() {
             wait = wait.min(due);
         }
+        if let Some(due) = super::dispatch::early_tick_in() {
+            wait = wait.min(due);
+        }
         if let Some(poll) = pending.next_poll(sends_pending) {
             wait = wait.min(poll);
         }

@@ -50,6 +50,9 @@ pub(super) struct Timer {
     rnr_retries: u8,
     /// After an RNR NAK: when to send again (the responder's RNR timer), from which PSN.
     rnr_resend: Option<(Instant, u32)>,
+    /// A resend stopped at this PSN, a message UCX was still sending: it goes on from there
+    /// once UCX is done with that one (`note_in_ucx`).
+    resend_from: Option<u32>,
     /// The timer or the RNR count failed the QP: the owner (rdma_cm) is told once the lock is
     /// released.
     pub(super) failed: bool,
@@ -86,6 +89,9 @@ impl Timer {
             Some((t, p)) if psn_before(p, psn) => (t, p),
             _ => (at, psn),
         });
+        // Then, not at the next tick of the timer (10 ms): a HCA sends again once the RNR
+        // timer ran out (`ib_send_bw -t 512 -s 256K`: ~240 MB/s while each wait took a tick).
+        crate::engine::tick_early(delay);
     }
 
     /// Back to a QP that sent nothing yet (RESET, and RTS from RTR).
@@ -95,6 +101,17 @@ impl Timer {
             ..Timer::default()
         };
     }
+}
+
+/// Why messages are sent again, and from where.
+#[derive(Clone, Copy, Debug)]
+enum Resend {
+    /// The ACK timeout expired: every unanswered message.
+    Timeout,
+    /// An RNR NAK's wait is over: from the PSN it named.
+    AfterRnr(u32),
+    /// UCX is done with the message a resend stopped at: from it.
+    Continued(u32),
 }
 
 /// The RNR NAK timer an RNR NAK carries (the responder's `min_rnr_timer`, IBA 9.7.5.2.8's
@@ -157,13 +174,15 @@ impl QueuePair {
         // An RNR NAK's wait is over: what it named and everything after it go again, as a
         // HCA resends after its RNR NAK timer (no transport retry is counted: the responder
         // answered).
-        if let Some((at, from)) = q.timer.rnr_resend
-            && now >= at
-        {
-            q.timer.rnr_resend = None;
-            q.timer.started = Some(now);
-            self.retransmit(q, Some(from));
-            return true;
+        if let Some((at, from)) = q.timer.rnr_resend {
+            if now >= at {
+                q.timer.rnr_resend = None;
+                q.timer.started = Some(now);
+                self.retransmit(q, Resend::AfterRnr(from));
+                return true;
+            }
+            // Ticked early for another QP's wait: this one's is still to end.
+            crate::engine::tick_early(at - now);
         }
         let Some(started) = q.timer.started else {
             q.timer.started = Some(now);
@@ -187,18 +206,32 @@ impl QueuePair {
             q.timer.retries += 1;
         }
         q.timer.started = Some(now);
-        self.retransmit(q, None);
+        self.retransmit(q, Resend::Timeout);
         true
     }
 
     /// Sends every unanswered message again (from PSN `from` on, if given), oldest first, with
-    /// its PSN (those UCX is still sending are on their way already).
-    fn retransmit(&self, q: &mut Queues, from: Option<u32>) {
+    /// its PSN, as a HCA goes back to the PSN it resends from. It stops at a message UCX is
+    /// still sending, and goes on from there once UCX is done with it (`note_in_ucx`): the
+    /// responder may drop that one (it came while the responder waited for an earlier PSN).
+    /// Sending what follows it first left it to the ACK timeout, which grows with the bytes
+    /// in flight (`ib_send_bw -t 512 -s 256K`: 4 s stalls after RNR NAKs).
+    fn retransmit(&self, q: &mut Queues, why: Resend) {
         let Some(peer) = &q.peer else { return };
+        let from = match why {
+            Resend::Timeout => None,
+            Resend::AfterRnr(p) | Resend::Continued(p) => Some(p),
+        };
         let mut sent = 0u32;
-        for e in q.sq.iter().filter(|e| {
-            e.unanswered() && e.in_ucx <= 0 && from.is_none_or(|p| !psn_before(e.seq, p))
-        }) {
+        q.timer.resend_from = None;
+        for e in
+            q.sq.iter()
+                .filter(|e| e.unanswered() && from.is_none_or(|p| !psn_before(e.seq, p)))
+        {
+            if e.in_ucx > 0 {
+                q.timer.resend_from = Some(e.seq);
+                break;
+            }
             let Some((header, payload)) = e.resend.clone() else {
                 continue;
             };
@@ -210,16 +243,20 @@ impl QueuePair {
             });
             sent += 1;
         }
-        match from {
+        if !tracing::enabled!(tracing::Level::DEBUG) {
+            return;
+        }
+        let why = match why {
+            Resend::Timeout => format!("no answer in time (retry {})", q.timer.retries),
+            Resend::AfterRnr(p) => format!("RNR NAK for psn {p:#x}"),
+            Resend::Continued(p) => format!("UCX done with psn {p:#x}"),
+        };
+        match q.timer.resend_from {
             Some(p) => tracing::debug!(
-                "qp {:#x}: RNR NAK for psn {p:#x}: {sent} message(s) sent again",
+                "qp {:#x}: {why}: {sent} message(s) sent again, the rest once UCX is done with psn {p:#x}",
                 self.qp_num
             ),
-            None => tracing::debug!(
-                "qp {:#x}: no answer in time: {sent} message(s) sent again (retry {})",
-                self.qp_num,
-                q.timer.retries
-            ),
+            None => tracing::debug!("qp {:#x}: {why}: {sent} message(s) sent again", self.qp_num),
         }
     }
 
@@ -232,8 +269,17 @@ impl QueuePair {
                 return;
             };
             e.in_ucx += d;
-            if e.in_ucx <= 0 && e.outcome.is_some() {
+            if e.in_ucx > 0 {
+                return;
+            }
+            let resend = q.timer.resend_from == Some(seq);
+            if e.outcome.is_some() {
                 self.release_send_completions(q);
+            }
+            let peer_up = q.peer.as_ref().is_some_and(|p| !p.endpoint.failed());
+            if resend && peer_up && matches!(q.state, QpState::Rts | QpState::Sqd) {
+                // A resend stopped here: it goes on (`retransmit`).
+                self.retransmit(q, Resend::Continued(seq));
             }
         });
     }
