@@ -563,6 +563,18 @@ fn a_receiver_that_never_posts_ends_in_rnr_retry_exc_err() {
     );
 }
 
+/// `a` (with `a_env`) connected to `b`: `a` numbers from 0x100 with an ACK timeout of 4.3 s
+/// (`timeout` 20) and retries forever, `b` from 0x200 with `min_rnr_timer` 12 (0.64 ms).
+fn pair_with_a_long_ack_timeout(a_env: &[(&str, &str)]) -> (QpPeer, QpPeer) {
+    let mut a = QpPeer::local_with("a", 0x11, a_env);
+    let mut b = QpPeer::local("b", 0x22);
+    a.cmd("init");
+    a.cmd(&format!("rtr {} {} {}", b.lid, b.qpn, 0x200));
+    a.cmd(&format!("rts {} 20 7 7", 0x100));
+    b.connect(a.lid, a.qpn, 0x100, 0x200, 7, 7);
+    (a, b)
+}
+
 /// More SENDs than the responder keeps while it has no receive WRs (256): the first one it
 /// cannot keep is RNR-NAKed, and the requester sends it (and what followed) again once the
 /// responder's RNR timer (`min_rnr_timer` 12: 0.64 ms) ran out, as a HCA does: everything is
@@ -570,12 +582,7 @@ fn a_receiver_that_never_posts_ends_in_rnr_retry_exc_err() {
 /// its ACK timeout (here 4.3 s, `timeout` 20) to send them again.
 #[test]
 fn sends_beyond_what_the_responder_keeps_go_again_after_its_rnr_timer() {
-    let mut a = QpPeer::local("a", 0x11);
-    let mut b = QpPeer::local("b", 0x22);
-    a.cmd("init");
-    a.cmd(&format!("rtr {} {} {}", b.lid, b.qpn, 0x200));
-    a.cmd(&format!("rts {} 20 7 7", 0x100));
-    b.connect(a.lid, a.qpn, 0x100, 0x200, 7, 7);
+    let (mut a, mut b) = pair_with_a_long_ack_timeout(&[]);
     a.cmd("send 1 64 400");
     std::thread::sleep(Duration::from_millis(300));
     let start = Instant::now();
@@ -602,12 +609,7 @@ fn sends_beyond_what_the_responder_keeps_go_again_after_its_rnr_timer() {
 /// felt as 10 ms stalls.
 #[test]
 fn an_rnr_naked_send_goes_again_when_the_rnr_timer_runs_out() {
-    let mut a = QpPeer::local_with("a", 0x11, &[("UGDR_LOG", "debug")]);
-    let mut b = QpPeer::local("b", 0x22);
-    a.cmd("init");
-    a.cmd(&format!("rtr {} {} {}", b.lid, b.qpn, 0x200));
-    a.cmd(&format!("rts {} 20 7 7", 0x100));
-    b.connect(a.lid, a.qpn, 0x100, 0x200, 7, 7);
+    let (mut a, mut b) = pair_with_a_long_ack_timeout(&[("UGDR_LOG", "debug")]);
     // More than the responder keeps without receive WRs (256): the rest are RNR-NAKed.
     a.cmd("send 1 64 300");
     std::thread::sleep(Duration::from_millis(300));
