@@ -387,15 +387,6 @@ fn ugdr_info_shows_the_port() {
     );
 }
 
-/// Clock ticks of CPU (user + system) process `pid` has used, from `/proc/<pid>/stat`.
-fn cpu_ticks(pid: i32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
-    // Fields after the command name (which may hold spaces): state is field 3, utime 14.
-    let after = &stat[stat.rfind(')').expect("comm") + 2..];
-    let f: Vec<&str> = after.split_whitespace().collect();
-    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
-}
-
 /// An idle process (a pingpong server waiting for its client, its device open) spends no CPU
 /// in the `event` and `adaptive` progress modes (the adaptive window is bounded), and a core
 /// in `busy`; the mode in effect is the one UGDR_PROGRESS names.

@@ -624,6 +624,12 @@ fn an_rnr_naked_send_goes_again_when_the_rnr_timer_runs_out() {
         resends >= 100,
         "{resends} resends after RNR NAKs in 300 ms:\n{log}"
     );
+    // All answered: nothing is left for the timers, and the progress thread sleeps (an early
+    // run asked for and never taken once no timer ran kept it polling without a pause).
+    let before = cpu_ticks(a.pid);
+    std::thread::sleep(Duration::from_millis(500));
+    let used = cpu_ticks(a.pid) - before;
+    assert!(used <= 10, "{used} ticks of CPU in 500 ms idle");
 }
 
 /// QP numbers are random: neither the process id nor the previous number predicts them.

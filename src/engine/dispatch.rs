@@ -330,6 +330,9 @@ pub(super) fn early_tick_in() -> Option<Duration> {
 /// Whether the timers must run early now; if so, forgets it (a QP whose wait is not over yet
 /// asks again when its timer runs).
 pub(super) fn take_early_tick() -> bool {
+    if EARLY_TICK_US.load(Ordering::Acquire) == 0 {
+        return false;
+    }
     let now = now_us();
     EARLY_TICK_US
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
@@ -366,6 +369,24 @@ pub(super) fn rearm(qpns: Vec<u32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The timers run early at the earliest time asked for, once: taken when due (also with no
+    /// timer armed, see `tick_if_due`), and forgotten then.
+    #[test]
+    fn an_early_tick_is_the_earliest_asked_for_and_taken_once_due() {
+        assert_eq!(early_tick_in(), None);
+        tick_early(Duration::from_secs(3600));
+        tick_early(Duration::from_millis(50));
+        tick_early(Duration::from_secs(7200));
+        let left = early_tick_in().expect("asked for");
+        assert!(left <= Duration::from_millis(50), "{left:?}");
+        assert!(!take_early_tick(), "not due yet");
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(early_tick_in(), Some(Duration::ZERO));
+        assert!(take_early_tick());
+        assert!(!take_early_tick(), "taken once");
+        assert_eq!(early_tick_in(), None);
+    }
 
     /// The list of QPs owing an ACK names each once, however often it was listed, and is as
     /// old as its oldest entry, also one listed again with an older ACK than the others'.

@@ -734,12 +734,14 @@ pub fn random_u32() -> u32 {
 
 /// Runs the QPs' transport timers when a tick is due (a few instructions when not).
 pub(super) fn tick_if_due(worker: &Worker, next_tick: &mut std::time::Instant) {
+    // An RNR NAK's wait ending runs them early (the regular ticks go on as they were). Taken
+    // also when no timer runs any more: left set, the progress thread would wait for it
+    // without sleeping.
+    let early = dispatch::take_early_tick();
     if !dispatch::timers_armed() {
         return;
     }
     let now = std::time::Instant::now();
-    // An RNR NAK's wait ending runs them early; the regular ticks go on as they were.
-    let early = dispatch::take_early_tick();
     if now < *next_tick && !early {
         return;
     }

@@ -160,6 +160,15 @@ pub fn preloaded(program: &str, args: &[&str]) -> Command {
     c
 }
 
+/// Clock ticks of CPU (user + system) process `pid` has used, from `/proc/<pid>/stat`.
+pub fn cpu_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
+    // Fields after the command name (which may hold spaces): state is field 3, utime 14.
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
 /// A TCP port no test of this run uses (the pingpongs' own out-of-band socket).
 pub fn free_port() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(0);
