@@ -619,9 +619,10 @@ fn an_rnr_naked_send_goes_again_when_the_rnr_timer_runs_out() {
     assert_eq!(a.drain(300).1, [(WC_SUCCESS, 300)]);
     let log = a.stderr();
     let resends = log.matches("RNR NAK for psn").count();
-    // ~300 when each wait takes its 0.64 ms and a wake-up; 100 leaves room for a busy host.
+    // ~300 when each wait takes its 0.64 ms and a wake-up (134–284 with both CPUs busy);
+    // one per tick, as before, is at most ~31.
     assert!(
-        resends >= 100,
+        resends >= 60,
         "{resends} resends after RNR NAKs in 300 ms:\n{log}"
     );
     // All answered: nothing is left for the timers, and the progress thread sleeps (an early

@@ -236,7 +236,8 @@ fn ib_send_bw_outrunning_its_receiver_recovers_from_rnr_naks_without_a_timeout()
     for run in 1..=4 {
         let (_, client) = perftest_both(
             "ib_send_bw",
-            &["-s", "262144", "-n", "4000", "-t", "512"],
+            // QP timeout 20 (4.3 s): no stall of a busy host times out in its own right.
+            &["-s", "262144", "-n", "4000", "-t", "512", "-u", "20"],
             120,
             None,
             (&[], &[("UGDR_LOG", "debug")]),
