@@ -226,8 +226,8 @@ fn ib_send_bw_acknowledges_unsignaled_sends_in_batches() {
 
 /// A stream of 256 KiB SENDs that outruns its receiver's reposts (`-t 512`: as many in flight
 /// as the receiver has posted) is RNR-NAKed now and then, and the requester sends again from
-/// the NAKed PSN, as a HCA goes back to it, without waiting for its ACK timeout (which grows
-/// with the bytes in flight: 4 s here). Before, a resend skipped the messages UCX was still
+/// the NAKed PSN, as a HCA goes back to it, without waiting for its ACK timeout (4.3 s here,
+/// plus 1 s per 32 MiB in flight). Before, a resend skipped the messages UCX was still
 /// sending; the responder dropped those (they came while it waited for the NAKed one), and
 /// only the ACK timeout sent them again: a 4 s stall in 2–3 runs of 5 (~240 MB/s, not ~10 GB/s).
 #[test]
