@@ -89,11 +89,9 @@ impl QueuePair {
         // released; anything else the posts queued went through the outbox.
         let sent = !messages.is_empty();
         match messages.as_mut_slice() {
-            [] => {}
             // One message (most lists): nothing to bundle.
-            [m] => {
-                let payload = std::mem::take(&mut m.payload);
-                self.start_send(locked, &m.endpoint, &m.header, payload, Some(m.seq));
+            one @ [_] => {
+                self.send_batch(locked, one);
             }
             all => self.send_data_messages(locked, all),
         }
