@@ -460,8 +460,12 @@ impl Stream {
                     }
                     // A connection the peer ended is hung up, not failed, whatever its
                     // last sends met (librdmacm: DISCONNECTED turns rs_error into
-                    // rs_disconnected, which polls as POLLHUP alone).
-                    if st.peer_gone {
+                    // rs_disconnected, which polls as POLLHUP alone). The hang-up shows
+                    // once the bytes that came before it are read, as a stream socket's
+                    // end does: librdmacm reports it at once, and rstream -T a, which
+                    // polls before each read and fails on POLLHUP, then fails whenever
+                    // its peer closes with bytes still unread.
+                    if st.peer_gone && !c.readable() {
                         rev |= libc::POLLHUP;
                     } else if c.error.is_some() {
                         rev |= libc::POLLERR;

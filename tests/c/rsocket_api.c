@@ -11,7 +11,10 @@
  *    reading until EAGAIN, then says how much it sent; the server counts it all.
  * D: rshutdown(SHUT_WR) is a half-close (the server reads 0, still sends, the client still
  *    receives); after the client's rclose the server's rrecv is 0, rpoll reports POLLHUP
- *    without POLLERR, and rsend fails EPIPE. */
+ *    without POLLERR, and rsend fails EPIPE.
+ * E: a peer that sends and closes before the server reads: the bytes come first. While they
+ *    are unread rpoll reports POLLIN without POLLHUP (rstream -T a polls before each read and
+ *    takes POLLHUP as a failure); once they are read, rrecv is 0 and rpoll reports POLLHUP. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -30,6 +33,7 @@
 #define TOTAL (8u << 20)
 #define FILL 0xAB
 #define MARK 0xCD
+#define TAIL 32768
 
 static uint8_t pattern(uint32_t i, uint32_t seed) { return (uint8_t)((i * 2654435761u) >> 13 ^ seed); }
 
@@ -162,6 +166,15 @@ static int client(int port, int unused)
 	CHECK(rrecv(rs, bye, 3, MSG_WAITALL) == 3 && !memcmp(bye, "bye", 3), "half-close still receives");
 	CHECK(rclose(rs) == 0, "rclose");
 	CHECK(rsend(rs, "y", 1, 0) == -1 && errno == EBADF, "closed descriptor");
+
+	scenario = "client E";
+	rs = rsocket(AF_INET, SOCK_STREAM, 0);
+	CHECK(rs >= 0 && rconnect(rs, (struct sockaddr *)&srv, sizeof srv) == 0, "second rconnect");
+	static uint8_t tail[TAIL];
+	for (uint32_t i = 0; i < TAIL; i++)
+		tail[i] = pattern(i, 5);
+	CHECK(rsend(rs, tail, TAIL, 0) == TAIL, "the bytes before the close");
+	CHECK(rclose(rs) == 0, "rclose after sending");
 	return 0;
 }
 
@@ -232,19 +245,48 @@ static int server(int port, pid_t child)
 	scenario = "server D";
 	CHECK(rrecv(rs, buf, sizeof buf, 0) == 0, "end of stream after SHUT_WR");
 	CHECK(rsend(rs, "bye", 3, 0) == 3, "send after the peer's half-close");
-	int status;
-	CHECK(waitpid(child, &status, 0) == child, "waitpid");
-	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "client exited %d", status);
 	CHECK(rrecv(rs, buf, sizeof buf, 0) == 0, "end of stream after rclose");
 	/* A hang-up, not an error, as librdmacm's rsockets report it (its receives, flushed when
-	 * the connection went, are no failure of the connection). */
+	 * the connection went, are no failure of the connection). The client's rclose may still
+	 * be on its way: rpoll waits for it. */
 	struct pollfd hup = { .fd = rs, .events = POLLIN | POLLOUT };
-	CHECK(rpoll(&hup, 1, 1000) == 1 && (hup.revents & POLLHUP) && !(hup.revents & POLLERR),
-	      "rpoll after the peer closed: revents %#x", hup.revents);
+	for (int i = 0; i < 500; i++) {
+		CHECK(rpoll(&hup, 1, 5000) == 1 && !(hup.revents & POLLERR),
+		      "rpoll after the peer's close: revents %#x", hup.revents);
+		if (hup.revents & POLLHUP)
+			break;
+		usleep(10000);
+	}
+	CHECK(hup.revents & POLLHUP, "rpoll after the peer closed: revents %#x", hup.revents);
 	ssize_t n = 0;
 	for (int i = 0; i < 300 && (n = rsend(rs, "q", 1, 0)) == 1; i++)
 		usleep(10000);
 	CHECK(n == -1 && errno == EPIPE, "send after the peer closed");
+	CHECK(rclose(rs) == 0, "rclose");
+
+	scenario = "server E";
+	rs = raccept(lrs, NULL, NULL);
+	CHECK(rs >= 0, "second raccept");
+	int status;
+	CHECK(waitpid(child, &status, 0) == child, "waitpid");
+	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "client exited %d", status);
+	usleep(200000); /* the client's rclose returned: its disconnect is here or nearly */
+	struct pollfd in = { .fd = rs, .events = POLLIN };
+	CHECK(rpoll(&in, 1, 5000) == 1 && in.revents == POLLIN,
+	      "rpoll with the peer's bytes unread: revents %#x", in.revents);
+	uint32_t have = 0;
+	while (have < TAIL) {
+		CHECK(rpoll(&in, 1, 5000) == 1 && in.revents == POLLIN,
+		      "rpoll with %u of the peer's bytes unread: revents %#x", TAIL - have, in.revents);
+		n = rrecv(rs, buf, sizeof buf, 0);
+		CHECK(n > 0 && have + n <= TAIL, "the bytes before the close: rrecv gave %zd", n);
+		for (ssize_t i = 0; i < n; i++)
+			CHECK(buf[i] == pattern(have + i, 5), "byte %u before the close", have + (uint32_t)i);
+		have += n;
+	}
+	CHECK(rrecv(rs, buf, sizeof buf, 0) == 0, "end of stream once the bytes are read");
+	CHECK(rpoll(&in, 1, 5000) == 1 && (in.revents & POLLHUP) && !(in.revents & POLLERR),
+	      "rpoll once the bytes are read: revents %#x", in.revents);
 	CHECK(rclose(rs) == 0 && rclose(lrs) == 0, "rclose");
 	close(p[0]);
 	close(p[1]);
