@@ -835,7 +835,7 @@ impl Fuzz {
                         0 => rng.next() as usize,
                         _ => payload.len(),
                     };
-                    wire::push_bundle_frame(&mut body, &self.header(rng), claimed);
+                    body.extend_from_slice(&wire::bundle_frame(&self.header(rng), claimed));
                     body.extend_from_slice(&payload);
                 }
                 if rng.below(4) == 0 {

@@ -307,11 +307,6 @@ pub fn bundle_frame(header: &Header, payload_len: usize) -> [u8; BUNDLE_FRAME] {
     frame
 }
 
-/// Appends the frame of one message to a bundle's body; its `payload_len` bytes follow.
-pub fn push_bundle_frame(out: &mut crate::ucp::OwnedBytes, header: &Header, payload_len: usize) {
-    out.extend_from_slice(&bundle_frame(header, payload_len));
-}
-
 /// Spans of application memory of at least this many bytes go into a bundle by reference
 /// (UCX's `sendmsg` gathers them), smaller ones are copied into it: an IOV entry costs about
 /// what copying a few hundred bytes does, and a bundle has room for only
@@ -475,16 +470,16 @@ mod tests {
         let mut b = Header::new(Op::ReadRequest, 5, 6, 7, 8);
         b.length = 4096;
         let mut body = crate::ucp::OwnedBytes::new();
-        push_bundle_frame(&mut body, &a, 3);
+        body.extend_from_slice(&bundle_frame(&a, 3));
         body.extend_from_slice(b"abc");
-        push_bundle_frame(&mut body, &b, 0);
+        body.extend_from_slice(&bundle_frame(&b, 0));
         let got: Vec<_> = bundle_messages(&body).collect();
         assert_eq!(got, vec![Ok((a, &b"abc"[..])), Ok((b, &[][..]))]);
         assert!(is_bundle_header(&bundle_header()));
         assert!(!is_bundle_header(&a.encode()));
         // A length past the end, or a header that does not decode, ends the walk.
         let mut long = crate::ucp::OwnedBytes::new();
-        push_bundle_frame(&mut long, &a, 10);
+        long.extend_from_slice(&bundle_frame(&a, 10));
         long.extend_from_slice(b"abc");
         let got: Vec<_> = bundle_messages(&long).collect();
         assert_eq!(got, vec![Err(BUNDLE_FRAME + 3)]);

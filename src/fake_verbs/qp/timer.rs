@@ -276,8 +276,10 @@ impl QueuePair {
             if e.outcome.is_some() {
                 self.release_send_completions(q);
             }
-            let peer_up = q.peer.as_ref().is_some_and(|p| !p.endpoint.failed());
-            if resend && peer_up && matches!(q.state, QpState::Rts | QpState::Sqd) {
+            if resend
+                && matches!(q.state, QpState::Rts | QpState::Sqd)
+                && q.peer.as_ref().is_some_and(|p| !p.endpoint.failed())
+            {
                 // A resend stopped here: it goes on (`retransmit`).
                 self.retransmit(q, Resend::Continued(seq));
             }
