@@ -175,25 +175,34 @@ fn an_event_for_completions_polled_since_a_rearming_over_completions_is_not_hand
     run_under_ugdr(&exe, "stale_cq_event");
 }
 
-/// The most SENDs the debug log of `out` says were placed in a peer's receive ring (0: none).
-fn sends_placed(out: &std::process::Output) -> u64 {
-    String::from_utf8_lossy(&out.stderr)
+/// The most SENDs the debug log of `out` says were placed in a peer's receive ring (0: none),
+/// and the most of them it says were written in place into the receive WR's buffer.
+fn sends_placed(out: &std::process::Output) -> (u64, u64) {
+    let counts: Vec<(u64, u64)> = String::from_utf8_lossy(&out.stderr)
         .lines()
         .filter_map(|l| {
-            l.split_once("direct path to pid ")?
+            let (placed, rest) = l
+                .split_once("direct path to pid ")?
                 .1
                 .split_once(": ")?
                 .1
-                .split_once(" sends placed")
+                .split_once(" sends placed, ")?;
+            let (in_place, _) = rest.split_once(" of them written in place")?;
+            Some((placed.parse().ok()?, in_place.parse().ok()?))
         })
-        .filter_map(|(n, _)| n.parse().ok())
-        .max()
-        .unwrap_or(0)
+        .collect();
+    (
+        counts.iter().map(|c| c.0).max().unwrap_or(0),
+        counts.iter().map(|c| c.1).max().unwrap_or(0),
+    )
 }
 
 /// The same-host SEND path: tests/c/direct_send.c (two processes) checks data, order and every
-/// completion field of SENDs up to 256 bytes (placed straight in the receiver's posted buffers)
-/// and above (messages), in one stream of 20,000 (mixed in its second half), and the message
+/// completion field of SENDs up to 256 bytes (placed in the receive ring, copied by the
+/// receiver into its posted buffers), above (written in place by the sender into a receive WR
+/// of one SGE: 257 bytes to 1 MiB, with and without immediate data, nothing written past
+/// them) and messages (above 256 bytes into a WR of two SGEs), in one stream of 20,000 (the
+/// three mixed), and the message
 /// path's errors and flush order: a receive WR too short, one whose MR was deregistered before
 /// the SEND (also after the sender saw it posted), a message's completion still queued when
 /// the placed SEND after it is polled (it comes first), one whose MR was deregistered after
@@ -202,9 +211,14 @@ fn sends_placed(out: &std::process::Output) -> u64 {
 /// waited for its transport timer, ~4.3 s, when only a poll of the receive CQ read the ring);
 /// that a direct WRITE and placed SENDs complete at post once the receiver delivered the
 /// messages before them, even when their ACK has not come back (the receiver stops itself);
-/// and that a SEND behind a WRITE the responder refuses is flushed and reaches nothing.
-/// Run with the path on, where the debug log must count placed SENDs, and off, where it must
-/// count none; the program's checks are the same.
+/// that a SEND behind a WRITE the responder refuses is flushed and reaches nothing; that a
+/// 2000-byte SEND to a one-SGE WR of 1000 bytes fails as on the message path (LOC_LEN_ERR,
+/// REM_INV_REQ_ERR), the WR's buffer untouched; and that an MR deregistered in the middle of
+/// a stream of 16 KiB SENDs written in place into its receive WRs takes no byte once
+/// `ibv_dereg_mr` returned (earlier receives complete with their data, then one LOC_PROT_ERR
+/// and flushes; REM_OP_ERR at the sender).
+/// Run with the path on, where the debug log must count placed SENDs and SENDs written in
+/// place, and off, where it must count none; the program's checks are the same.
 #[test]
 fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_outcomes() {
     let exe = build_c("direct_send", &["-libverbs"]);
@@ -223,8 +237,16 @@ fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_
             "{what}: no ok line\n{}",
             text(&out)
         );
-        let placed = sends_placed(&out);
+        let (placed, in_place) = sends_placed(&out);
         if direct == "on" {
+            // The five of `inplace` and most of `race` (its receiver keeps 32 WRs posted
+            // ahead of 300 SENDs) and of the stream's ~1,800 of 700 bytes; one that never
+            // wrote in place counts 0.
+            assert!(
+                in_place >= 64,
+                "{what}: {in_place} SENDs written in place\n{}",
+                tail_of(&out)
+            );
             // 5 of the shapes, most of the stream (after a message, SENDs go as messages until
             // the receiver delivered it), 40 of catchup: logged at powers of two. A receiver
             // starved of CPU leaves no receive posted more often, and those SENDs go as
@@ -237,7 +259,11 @@ fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_
                 tail_of(&out)
             );
         } else {
-            assert_eq!(placed, 0, "{what}: SENDs placed with the path off");
+            assert_eq!(
+                (placed, in_place),
+                (0, 0),
+                "{what}: SENDs placed with the path off"
+            );
         }
     }
 }

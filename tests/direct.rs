@@ -8,7 +8,8 @@
 //! access, out of range, deregistered memory, racing a deregistration or a re-registration
 //! that takes remote write away; after `ibv_rereg_mr` the path serves the new access and the
 //! new pages), RC ordering holds
-//! (a SEND after a WRITE finds the WRITE's data in place, 100,000 times), and where the path
+//! (a SEND after a WRITE finds the WRITE's data in place, 100,000 times, every fourth SEND one
+//! of 600 bytes, which the requester writes in place into the receive WR), and where the path
 //! is off (`UGDR_DIRECT=off`) or not permitted (a non-dumpable target, a requester without
 //! CAP_SYS_PTRACE) the same operations complete through messages.
 //!
@@ -36,6 +37,13 @@ const PAGE: usize = 4096;
 const RW_LEN: usize = (1 << 20) + 2 * PAGE;
 const RO_LEN: usize = 4 * PAGE;
 const RECV_SLOTS: usize = 8;
+/// The bytes of a receive slot, and the length of the `i`-th SEND of the ordering scenario:
+/// every fourth is above the 256 bytes a receive ring entry holds (on the direct path, the
+/// requester writes it in place into the receive WR's buffer).
+const RECV_SLOT: usize = 1024;
+fn order_send_len(i: u64) -> usize {
+    if i % 4 == 3 { 600 } else { 8 }
+}
 
 fn main() {
     match std::env::var("UGDR_DIRECT_ROLE").as_deref() {
@@ -198,7 +206,8 @@ fn messages_in_order(mode: &str) {
         Requester::Privileged,
     );
 }
-/// A 1 MiB SEND (a rendezvous message) to a stopped target, the requester's QP moved to ERR:
+/// A 1 MiB SEND (a rendezvous message: the target's receive WR has two SGEs, so it is not
+/// written in place) to a stopped target, the requester's QP moved to ERR:
 /// the flushed WR completes, the application overwrites its buffer, and the target, continued,
 /// must receive the bytes posted, not the new ones.
 fn flushed_send() {
@@ -531,7 +540,7 @@ fn target_role() {
         Region::new(RW_LEN)
     };
     let ro = Region::new(RO_LEN);
-    let recv = Region::new(PAGE);
+    let recv = Region::new(RECV_SLOTS * RECV_SLOT);
     let rw_access = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
     let mut rw_mr = if std::env::var_os("UGDR_TEST_PART_PAGES").is_some() {
         // From byte 8 to 8 bytes before the end: the first and last pages are only partly
@@ -624,12 +633,22 @@ fn target_role() {
             "recv-big" => {
                 let len = fields(&line)[0] as usize;
                 let (into, mr) = landing.insert(land(&dev, len));
-                let mut sge = [ibv_sge {
-                    addr: into.addr(),
-                    length: len as u32,
-                    lkey: unsafe { (**mr).lkey },
-                }];
-                assert_eq!(post_one_recv(qp, 41, &mut sge), 0);
+                // Two SGEs: a SEND is written in place only into a WR of one, and this one
+                // must come as a (rendezvous) message.
+                let lkey = unsafe { (**mr).lkey };
+                let mut sges = [
+                    ibv_sge {
+                        addr: into.addr(),
+                        length: 4096,
+                        lkey,
+                    },
+                    ibv_sge {
+                        addr: into.addr() + 4096,
+                        length: len as u32 - 4096,
+                        lkey,
+                    },
+                ];
+                assert_eq!(post_one_recv(qp, 41, &mut sges), 0);
                 out("posted");
             }
             "read-stop" => {
@@ -727,8 +746,8 @@ fn check_order(
     let lkey = unsafe { (*recv_mr).lkey };
     let post = |i: usize| {
         let mut sge = [ibv_sge {
-            addr: recv.addr() + (i % RECV_SLOTS * 64) as u64,
-            length: 64,
+            addr: recv.addr() + (i % RECV_SLOTS * RECV_SLOT) as u64,
+            length: RECV_SLOT as u32,
             lkey,
         }];
         assert_eq!(post_one_recv(qp, i as u64, &mut sge), 0);
@@ -742,16 +761,20 @@ fn check_order(
             pending.extend(poll_n(cq, 1));
         }
         let wc = pending.pop_front().expect("polled");
-        if wc.status != ibv_wc_status::IBV_WC_SUCCESS || wc.wr_id != i as u64 || wc.byte_len != 8 {
+        let len = order_send_len(i as u64);
+        if wc.status != ibv_wc_status::IBV_WC_SUCCESS
+            || wc.wr_id != i as u64
+            || wc.byte_len as usize != len
+        {
             return format!(
                 "bad-completion {i} status {} wr_id {} len {}",
                 wc.status.0, wc.wr_id, wc.byte_len
             );
         }
-        let slot = i % RECV_SLOTS * 64;
-        let sent = u64::from_ne_bytes(recv.bytes()[slot..slot + 8].try_into().unwrap());
+        let slot = &recv.bytes()[i % RECV_SLOTS * RECV_SLOT..][..len];
+        let sent = u64::from_ne_bytes(slot[..8].try_into().unwrap());
         let written = u64::from_ne_bytes(rw.bytes()[PAGE..PAGE + 8].try_into().unwrap());
-        if sent != i as u64 || written < i as u64 {
+        if sent != i as u64 || written < i as u64 || slot[8..].iter().any(|&b| b != i as u8) {
             return format!("disorder {i} sent {sent} written {written}");
         }
         if i + RECV_SLOTS < n {
@@ -1171,18 +1194,28 @@ fn scenario_ordering(relay: &mut Relay, link: &mut Link, n: u64) {
             link.rw_rkey,
         );
         w.send_flags = 0;
-        let mut msg = i.to_ne_bytes();
+        // The SEND: its number, then its number's low byte (inline when 8 bytes; else from
+        // the registered buffer, behind the WRITE's 8 bytes).
+        let len = order_send_len(i);
+        let mut msg = [i as u8; 600];
+        msg[..8].copy_from_slice(&i.to_ne_bytes());
         let mut ssge = [ibv_sge {
             addr: msg.as_mut_ptr() as u64,
-            length: 8,
+            length: len as u32,
             lkey: 0,
         }];
-        let mut s = send_wr(
-            i,
-            &mut ssge,
-            ibv_wr_opcode::IBV_WR_SEND,
-            ibv_send_flags::IBV_SEND_SIGNALED.0 | ibv_send_flags::IBV_SEND_INLINE.0,
-        );
+        let mut flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        if len == 8 {
+            flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+        } else {
+            link.local.bytes_mut()[8..8 + len].copy_from_slice(&msg[..len]);
+            ssge[0] = ibv_sge {
+                addr: laddr + 8,
+                length: len as u32,
+                lkey,
+            };
+        }
+        let mut s = send_wr(i, &mut ssge, ibv_wr_opcode::IBV_WR_SEND, flags);
         w.next = &mut s;
         let mut bad = null_mut();
         assert_eq!(unsafe { post_send(link.qp, &mut w, &mut bad) }, 0);

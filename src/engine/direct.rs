@@ -20,7 +20,7 @@
 //! the lock: once a withdrawal returns, nothing more lands.
 
 use super::Engine;
-pub use crate::shared_memory::{AtomicOp, Placed, PostedAhead, ReceiveRing};
+pub use crate::shared_memory::{AtomicOp, InPlace, Placed, PostedAhead, ReceiveRing};
 use crate::shared_memory::{
     Backing, ENTRY_DATA, MAX_ENTRIES, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, QpSlot, Table,
     read_process, write_process,
@@ -36,6 +36,9 @@ pub const REMOTE_WRITE: u32 = 1 << 1;
 pub const REMOTE_READ: u32 = 1 << 2;
 /// `IBV_ACCESS_REMOTE_ATOMIC`.
 pub const REMOTE_ATOMIC: u32 = 1 << 3;
+/// `IBV_ACCESS_LOCAL_WRITE`: what a region must grant for a SEND written in place into a
+/// receive WR's buffer.
+pub const LOCAL_WRITE: u32 = 1;
 
 /// Whether the direct path is on (`UGDR_DIRECT=off` turns it off).
 pub fn enabled() -> bool {
@@ -81,8 +84,10 @@ pub fn part_pages_note() -> String {
 /// How often the direct path was taken, and how often it fell back to messages.
 #[derive(Default)]
 pub struct DirectCounters {
-    /// SENDs placed in a peer's receive ring, and those that went as messages instead.
+    /// SENDs placed in a peer's receive ring (of them, those written in place into the
+    /// receive WR's buffer), and those that went as messages instead.
     pub sends: AtomicU64,
+    pub sends_in_place: AtomicU64,
     pub sends_as_messages: AtomicU64,
     pub writes: AtomicU64,
     pub reads: AtomicU64,
@@ -92,6 +97,7 @@ pub struct DirectCounters {
 
 pub static COUNTERS: DirectCounters = DirectCounters {
     sends: AtomicU64::new(0),
+    sends_in_place: AtomicU64::new(0),
     sends_as_messages: AtomicU64::new(0),
     writes: AtomicU64::new(0),
     reads: AtomicU64::new(0),
@@ -429,7 +435,16 @@ pub enum Refused {
     NoReceive,
 }
 
-/// The largest SEND the same-host SEND path carries (a receive ring entry's bytes).
+/// Where a checked range of a peer's published region lies ([`PeerMemory::region_target`]).
+enum RegionTarget {
+    /// In a backing mapped here, at this offset.
+    Mapped(Arc<PeerBacking>, u64),
+    /// Only in the peer's address space, at this address (cross-memory attach).
+    Process(u64),
+}
+
+/// The largest SEND the same-host SEND path carries in a receive ring entry; larger ones are
+/// written in place into the receive WR's buffer, when it allows.
 pub const SEND_MAX: usize = ENTRY_DATA;
 
 /// A SEND to place in a peer's receive ring ([`PeerMemory::send`]).
@@ -502,14 +517,15 @@ impl OwnReceiveRing {
     }
 
     /// Posts the next receive WR (`posted()`-th): `room` bytes of buffers; `direct`: a
-    /// placed SEND may land in them (else the peer leaves it to messages). The ring holds at
-    /// least as many entries as the queue WRs: the caller never posts more than that beyond
-    /// `collected()`.
-    pub fn post(&self, room: u64, direct: bool) {
+    /// placed SEND may land in them (else the peer leaves it to messages); `in_place`: where
+    /// the peer may write a SEND larger than an entry (the WR's one SGE in a published
+    /// region). The ring holds at least as many entries as the queue WRs: the caller never
+    /// posts more than that beyond `collected()`.
+    pub fn post(&self, room: u64, direct: bool, in_place: Option<InPlace>) {
         let index = self.posted.load(Ordering::Relaxed);
         self.posted.store(index + 1, Ordering::Relaxed);
         self.ring
-            .post(index, room.min(ENTRY_DATA as u64) as u32, direct);
+            .post(index, room.min(ENTRY_DATA as u64) as u32, direct, in_place);
     }
 
     /// The PSN the next placed SEND must carry: the one after the last request the QP
@@ -705,11 +721,38 @@ impl PeerMemory {
         if qp.access.load(Ordering::Relaxed) & needed != needed {
             return Err(Refused::NotPublished);
         }
+        let len = op.remote_len(spans);
+        let done = match self.region_target(pd, rkey, remote_addr, len, needed)? {
+            RegionTarget::Mapped(backing, offset) => match op {
+                DirectAccess::Write => backing.write(offset, spans),
+                DirectAccess::Read => backing.read(offset, spans),
+                DirectAccess::Atomic(atomic) => backing.atomic(offset, atomic).map(|old| {
+                    crate::ucp::scatter(spans, &old.to_le_bytes());
+                }),
+            },
+            RegionTarget::Process(addr) => return self.access_process(op, spans, addr),
+        };
+        done.map_err(|e| {
+            tracing::debug!("direct access to pid {}: {e}", self.pid);
+            Refused::Unreachable
+        })
+    }
+
+    /// Where `len` bytes at `addr` of the peer's published region `rkey` lie, if that region
+    /// belongs to PD `pd`, grants `needed` and holds them: in a backing mapped here (with the
+    /// offset in it), or only in the peer's address space (the address there).
+    fn region_target(
+        &self,
+        pd: u32,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        needed: u32,
+    ) -> Result<RegionTarget, Refused> {
         let mr = self.table.mr(rkey as usize % MR_SLOTS);
         let mr_seq = mr.seq.load(Ordering::SeqCst);
-        let len = op.remote_len(spans);
-        let end = remote_addr.checked_add(len).ok_or(Refused::NotPublished)?;
-        let within = |first: u64, n: u64| remote_addr >= first && end <= first.saturating_add(n);
+        let end = addr.checked_add(len).ok_or(Refused::NotPublished)?;
+        let within = |first: u64, n: u64| addr >= first && end <= first.saturating_add(n);
         let region_iova = mr.region_iova.load(Ordering::Relaxed);
         if mr_seq % 2 == 1
             || mr.rkey.load(Ordering::Relaxed) != rkey
@@ -722,47 +765,35 @@ impl PeerMemory {
         let pages_iova = mr.pages_iova.load(Ordering::Relaxed);
         let fd = mr.backing_fd.load(Ordering::Relaxed);
         if fd < 0 || !within(pages_iova, mr.pages_len.load(Ordering::Relaxed)) {
-            return self.access_process(op, spans, mr, remote_addr - region_iova);
+            // The peer's table is the peer's word: an address past u64 is refused.
+            return mr
+                .region_addr
+                .load(Ordering::Relaxed)
+                .checked_add(addr - region_iova)
+                .map(RegionTarget::Process)
+                .ok_or(Refused::NotPublished);
         }
         let ino = mr.backing_ino.load(Ordering::Relaxed);
-        // The peer's table is the peer's word: an offset past u64 is refused, not wrapped.
         let offset = mr
             .backing_offset
             .load(Ordering::Relaxed)
-            .checked_add(remote_addr - pages_iova)
+            .checked_add(addr - pages_iova)
             .ok_or(Refused::NotPublished)?;
-        let backing = self.backing(fd, ino)?;
-        let done = match op {
-            DirectAccess::Write => backing.write(offset, spans),
-            DirectAccess::Read => backing.read(offset, spans),
-            DirectAccess::Atomic(atomic) => backing.atomic(offset, atomic).map(|old| {
-                crate::ucp::scatter(spans, &old.to_le_bytes());
-            }),
-        };
-        done.map_err(|e| {
-            tracing::debug!("direct access to pid {}: {e}", self.pid);
-            Refused::Unreachable
-        })
+        Ok(RegionTarget::Mapped(self.backing(fd, ino)?, offset))
     }
 
-    /// A WRITE or READ at `offset` in a region no backing holds there: copied straight
-    /// between the two address spaces by the kernel (cross-memory attach). Atomics cannot be
-    /// (a copy is not indivisible): they take the message path.
+    /// A WRITE or READ at `addr` of the peer's address space, in a region no backing holds
+    /// there: copied straight between the two address spaces by the kernel (cross-memory
+    /// attach). Atomics cannot be (a copy is not indivisible): they take the message path.
     fn access_process(
         &self,
         op: DirectAccess,
         spans: &[AppSpan],
-        mr: &crate::shared_memory::MrSlot,
-        offset: u64,
+        addr: u64,
     ) -> Result<(), Refused> {
         if self.attach_denied.load(Ordering::Relaxed) {
             return Err(Refused::Unreachable);
         }
-        let addr = mr
-            .region_addr
-            .load(Ordering::Relaxed)
-            .checked_add(offset)
-            .ok_or(Refused::NotPublished)?;
         let done = match op {
             DirectAccess::Write => write_process(self.pid, addr, spans),
             DirectAccess::Read => read_process(self.pid, addr, spans),
@@ -808,6 +839,10 @@ impl PeerMemory {
             Ok(()) => &COUNTERS.sends,
             Err(_) => &COUNTERS.sends_as_messages,
         });
+        if result.is_ok() && total_len(send.spans) > SEND_MAX {
+            let n = COUNTERS.sends_in_place.load(Ordering::Relaxed) + 1;
+            COUNTERS.sends_in_place.store(n, Ordering::Relaxed);
+        }
         result
     }
 
@@ -834,10 +869,22 @@ impl PeerMemory {
         // that line would move between the two processes' caches on every post and SEND),
         // and what was read of it stays known until the owner withdraws its QP.
         let index = ring.taken();
+        if len > SEND_MAX {
+            // The peer QP's PD, from the slot `connected_ring` found published.
+            let pd = self.table.qp(qp_slot(dst_qpn)).pd.load(Ordering::Relaxed);
+            let message = Placed {
+                byte_len: u32::try_from(len).map_err(|_| Refused::NoReceive)?,
+                imm_data,
+                psn,
+                ack,
+                in_place: true,
+            };
+            return self.send_in_place(ring, index, pd, spans, message);
+        }
         let room = ring
             .posted_room_ahead(index, publication, &mut cache.posted)
             .ok_or(Refused::NoReceive)?;
-        if len > room as usize || len > SEND_MAX {
+        if len > room as usize {
             return Err(Refused::NoReceive);
         }
         if !ring.take(index) {
@@ -850,10 +897,50 @@ impl PeerMemory {
             imm_data,
             psn,
             ack,
+            in_place: false,
         };
         ring.fill(index, spans, &message)
             .map_err(|_| Refused::NotPublished)?;
         ring.set_expected_psn(super::wire::psn_add(psn, 1));
+        Ok(())
+    }
+
+    /// A SEND larger than a ring entry, into the `index`-th receive WR of `ring` (whose QP
+    /// belongs to PD `pd`): written straight into the WR's buffer where the owner said it
+    /// lies, after the same checks as a direct WRITE into it (the owner's region there is
+    /// published, of the QP's PD, grants local writing and holds the bytes, in a backing
+    /// mapped here), then the entry says it is in place.
+    fn send_in_place(
+        &self,
+        ring: &ReceiveRing,
+        index: u64,
+        pd: u32,
+        spans: &[AppSpan],
+        message: Placed,
+    ) -> Result<(), Refused> {
+        let len = message.byte_len;
+        let at = ring.in_place(index).ok_or(Refused::NoReceive)?;
+        if len > at.len {
+            return Err(Refused::NoReceive);
+        }
+        let RegionTarget::Mapped(backing, offset) =
+            self.region_target(pd, at.rkey, at.addr, u64::from(len), LOCAL_WRITE)?
+        else {
+            // Not on a backing: a copy by the kernel could fail halfway, with the WR taken.
+            return Err(Refused::Unreachable);
+        };
+        if !backing.holds(offset, len as usize) {
+            return Err(Refused::NotPublished);
+        }
+        if !ring.take(index) {
+            return Err(Refused::Busy);
+        }
+        // Taken: the bytes go in now (the range was checked, so the copy cannot fail).
+        backing
+            .write(offset, spans)
+            .and_then(|()| ring.fill(index, spans, &message))
+            .map_err(|_| Refused::NotPublished)?;
+        ring.set_expected_psn(super::wire::psn_add(message.psn, 1));
         Ok(())
     }
 
@@ -936,10 +1023,11 @@ impl PeerMemory {
     fn log_counts(&self) {
         // Observable with UGDR_LOG=debug, at a logarithmic cost.
         tracing::debug!(
-            "direct path to pid {}: {} sends placed, {} sent as messages, {} writes, {} reads, \
-             {} atomics, {} fell back to messages",
+            "direct path to pid {}: {} sends placed, {} of them written in place, {} sent as \
+             messages, {} writes, {} reads, {} atomics, {} fell back to messages",
             self.pid,
             COUNTERS.sends.load(Ordering::Relaxed),
+            COUNTERS.sends_in_place.load(Ordering::Relaxed),
             COUNTERS.sends_as_messages.load(Ordering::Relaxed),
             COUNTERS.writes.load(Ordering::Relaxed),
             COUNTERS.reads.load(Ordering::Relaxed),
@@ -993,6 +1081,7 @@ mod tests {
             imm_data: None,
             psn,
             ack: None,
+            in_place: false,
         };
         peer.fill(index, &[AppSpan::of_owned(bytes)], &message)
             .unwrap();
@@ -1003,9 +1092,9 @@ mod tests {
     fn placed_sends_and_messages_take_receive_wrs_in_order_through_one_cursor() {
         let (own, peer) = ring_and_peer(3); // 4 entries
         own.set_expected_psn(0x10);
-        own.post(64, true);
-        own.post(64, false); // takes messages only
-        own.post(8, true);
+        own.post(64, true, None);
+        own.post(64, false, None); // takes messages only
+        own.post(8, true, None);
         assert_eq!(peer.posted_room(0), Some(64));
         assert_eq!(peer.posted_room(3), None);
         assert_eq!(peer.expected_psn(), 0x10);
@@ -1026,7 +1115,7 @@ mod tests {
         assert!(own.take_placed(&mut out).is_none());
         assert!(!own.take_for_message());
         // Refused and skipped WRs.
-        own.post(64, true);
+        own.post(64, true, None);
         own.refuse(3);
         assert_eq!(peer.posted_room(3), None);
         own.skip(); // the taken-unfilled one (its peer died): flushed
@@ -1040,7 +1129,7 @@ mod tests {
     #[test]
     fn a_length_the_peer_wrote_beyond_any_entry_reads_no_more_than_the_buffer() {
         let (own, peer) = ring_and_peer(1);
-        own.post(64, true);
+        own.post(64, true, None);
         // A peer that places one byte and says it placed u32::MAX.
         let index = peer.taken();
         assert!(peer.take(index));
@@ -1049,6 +1138,7 @@ mod tests {
             imm_data: None,
             psn: 0,
             ack: None,
+            in_place: false,
         };
         peer.fill(index, &[AppSpan::of_owned(b"x")], &lying)
             .unwrap();

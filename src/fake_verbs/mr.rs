@@ -18,7 +18,7 @@ use super::dm::DeviceMemory;
 use super::pd::ProtectionDomain;
 use super::work::Sge;
 use crate::engine::Engine;
-use crate::engine::direct::{PublishedRegion, RegionView};
+use crate::engine::direct::{InPlace, PublishedRegion, RegionView, SEND_MAX};
 use crate::ucp::{AppRegion, AppSpan, RegionExtent, SpanList};
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
@@ -188,9 +188,10 @@ fn direct_slot(access: u32, region: &AppRegion) -> Option<(u16, u32)> {
 }
 
 /// Whether a registration with `access` over `region` is for the direct path's peers: it
-/// grants remote access, to pinned memory.
+/// grants remote access (direct WRITE/READ/atomics) or local writing (SENDs written in place
+/// into receive WRs), to pinned memory.
 fn direct_publishable(access: u32, region: &AppRegion) -> bool {
-    access & ACCESS_REMOTE != 0 && !region.is_on_demand()
+    access & (ACCESS_REMOTE | ACCESS_LOCAL_WRITE) != 0 && !region.is_on_demand()
 }
 
 impl Registration {
@@ -659,6 +660,37 @@ fn pinned_receive_sge(
 ) -> Option<(RegionExtent, u64)> {
     checked_sge(pd, sge, true, cache)
         .filter(|(region, addr)| region.holds_pinned(*addr, u64::from(sge.length)))
+}
+
+/// Where a same-host peer may write a SEND larger than a receive ring entry into a receive WR
+/// (`engine/direct.rs`): its one SGE, when that names live pinned memory of `pd` granting
+/// local writing in a region published for the direct path (the peer checks the published
+/// region again before it writes). None: such SENDs go through UCX.
+pub fn in_place_target(pd: &Arc<ProtectionDomain>, sges: &[Sge]) -> Option<InPlace> {
+    let [sge] = sges else {
+        return None;
+    };
+    if (sge.length as usize) <= SEND_MAX {
+        return None;
+    }
+    let reg = BY_LKEY.get(&sge.lkey).map(|r| Arc::clone(&r))?;
+    let offset = sge.addr.checked_sub(reg.iova)?;
+    let published = reg.slot.is_some()
+        && direct_publishable(reg.access, &reg.region)
+        && Engine::local_memory().is_some();
+    let fits = offset
+        .checked_add(u64::from(sge.length))
+        .is_some_and(|end| end <= reg.region.len());
+    (published
+        && fits
+        && Arc::ptr_eq(&reg.pd, pd)
+        && reg.access & ACCESS_LOCAL_WRITE != 0
+        && reg.region.is_live())
+    .then_some(InPlace {
+        rkey: reg.rkey,
+        len: sge.length,
+        addr: sge.addr,
+    })
 }
 
 /// Lands `bytes` in a receive WR's single SGE, checked as [`local_spans_cached`] checks it for

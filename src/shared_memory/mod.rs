@@ -12,8 +12,8 @@
 //!   through `/proc/<pid>/fd/<n>` (which the kernel allows exactly when this process may
 //!   ptrace-read the peer: same user, peer dumpable, or CAP_SYS_PTRACE).
 //! * [`ReceiveRing`]: a queue pair's posted receive WRs as its same-host peer sees them, and
-//!   the small SENDs that peer places in them (a memfd per queue pair, mapped by the peer as
-//!   the table is).
+//!   the SENDs that peer places in them (a memfd per queue pair, mapped by the peer as the
+//!   table is).
 //! * [`write_process`], [`read_process`]: cross-memory attach (`process_vm_writev`/`readv`)
 //!   into a peer's own address space, for registered memory no backing holds (part of a page,
 //!   a private file mapping); the kernel allows it when this process may ptrace-attach the
@@ -27,7 +27,7 @@ mod ring;
 mod table;
 
 pub use backing::{AtomicOp, Backing, PeerBacking};
-pub use ring::{ENTRY_DATA, MAX_ENTRIES, Placed, PostedAhead, ReceiveRing};
+pub use ring::{ENTRY_DATA, InPlace, MAX_ENTRIES, Placed, PostedAhead, ReceiveRing};
 pub use table::{MR_SLOTS, MrSlot, PeerTable, QP_SLOTS, QpSlot, Table};
 
 use std::io;

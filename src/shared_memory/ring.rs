@@ -10,6 +10,12 @@
 //! line), the peer's SENDs only the entries, and a message of up to [`HEAD_DATA`] bytes lies
 //! in its entry's first cache line with what describes it. So a placed SEND moves the
 //! entry's line(s) to the owner, and a post one slot line in four to the peer.
+//!
+//! A SEND larger than an entry is written by the peer straight into the receive WR's buffer,
+//! when the owner said where that lies: an *in-place slot* per receive WR (written by the
+//! owner with the post, read by the peer only for such SENDs) names the WR's one SGE as the
+//! owner's published memory region sees it; the entry then says only that the bytes are in
+//! place.
 
 use super::{Mapping, file_identity, memfd, open_peer_fd};
 use crate::ucp::{AppSpan, total_len};
@@ -17,9 +23,10 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-/// "ugdrRNG2" (RNG1 kept a count of posted WRs and each WR's room in the peer's entry, lines
-/// the owner wrote on every post and the peer read on every SEND).
-const MAGIC: u64 = 0x3247_4e52_5244_4755;
+/// "ugdrRNG3" (RNG1 kept a count of posted WRs and each WR's room in the peer's entry, lines
+/// the owner wrote on every post and the peer read on every SEND; RNG2 had no in-place
+/// slots).
+const MAGIC: u64 = 0x3347_4e52_5244_4755;
 const NAME: &str = "ugdr-receive-ring";
 
 /// The largest message an entry holds: a SEND up to this size takes the ring.
@@ -56,6 +63,27 @@ struct PostedSlot {
     /// The receive WR's room (its SGEs' lengths added up, at most [`ENTRY_DATA`] counted).
     room: AtomicU32,
     _pad: u32,
+}
+
+/// Where the peer may write a SEND larger than an entry into the `i`-th receive WR (slot
+/// `i % capacity`): its one SGE, by the key and address of the owner's published region.
+/// Written by the owner before the WR's `posted_as`; `len` 0: nowhere (such SENDs go through
+/// UCX).
+#[repr(C)]
+struct InPlaceSlot {
+    rkey: AtomicU32,
+    len: AtomicU32,
+    addr: AtomicU64,
+}
+
+/// A receive WR's one SGE as a peer may write it ([`ReceiveRing::in_place`]): `len` bytes at
+/// `addr` of the owner's region `rkey` (checked again against the owner's published region
+/// before any byte is written).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InPlace {
+    pub rkey: u32,
+    pub len: u32,
+    pub addr: u64,
 }
 
 /// The message placed for one receive WR: entry `i % capacity` holds the `i`-th. Written by
@@ -104,6 +132,8 @@ impl PostedAhead {
 const FILLED_WITH_IMM: u32 = 1;
 /// The placed message acknowledges the owner's requests up to `ack_psn`.
 const FILLED_WITH_ACK: u32 = 2;
+/// The placed message's bytes are in the receive WR's buffer (its in-place slot), not here.
+const FILLED_IN_PLACE: u32 = 4;
 
 /// A message placed in a receive WR's entry: its length, immediate data, PSN, and the ACK
 /// it carries of the owner's own requests (as a message's piggybacked ACK).
@@ -113,6 +143,8 @@ pub struct Placed {
     pub imm_data: Option<u32>,
     pub psn: u32,
     pub ack: Option<u32>,
+    /// The peer wrote the bytes into the receive WR's buffer ([`InPlace`]), not the entry.
+    pub in_place: bool,
 }
 
 const HEADER_SIZE: usize = 2 * 64;
@@ -130,8 +162,12 @@ fn posted_size(capacity: u32) -> usize {
     (capacity as usize * std::mem::size_of::<PostedSlot>()).next_multiple_of(64)
 }
 
+fn in_place_size(capacity: u32) -> usize {
+    (capacity as usize * std::mem::size_of::<InPlaceSlot>()).next_multiple_of(64)
+}
+
 fn size_for(capacity: u32) -> usize {
-    HEADER_SIZE + posted_size(capacity) + capacity as usize * ENTRY_SIZE
+    HEADER_SIZE + posted_size(capacity) + capacity as usize * ENTRY_SIZE + in_place_size(capacity)
 }
 
 /// A receive ring mapped in this process: the owner's (made with [`ReceiveRing::create`]) or
@@ -257,6 +293,16 @@ impl ReceiveRing {
         }
     }
 
+    fn in_place_slot(&self, index: u64) -> &InPlaceSlot {
+        let at = self.entries_at
+            + self.capacity as usize * ENTRY_SIZE
+            + self.slot(index) * std::mem::size_of::<InPlaceSlot>();
+        // SAFETY: `slot < capacity`, and the in-place slots follow the entries inside the
+        // mapping (`size_for(capacity)` bytes, checked at create/open); 16-byte slots from a
+        // 64-byte boundary are aligned; all atomics; borrowed no longer than the mapping.
+        unsafe { &*self.mapping.base().add(at).cast::<InPlaceSlot>() }
+    }
+
     fn entry_base(&self, index: u64) -> *mut u8 {
         let at = self.entries_at + self.slot(index) * ENTRY_SIZE;
         // SAFETY: `slot < capacity`, and the mapping is `size_for(capacity)` bytes (checked at
@@ -274,8 +320,19 @@ impl ReceiveRing {
     }
 
     /// The owner posts its `index`-th receive WR: `room` bytes, and whether a placed message
-    /// may land in it (`direct`; else the peer leaves it to messages).
-    pub fn post(&self, index: u64, room: u32, direct: bool) {
+    /// may land in it (`direct`; else the peer leaves it to messages), and where a SEND
+    /// larger than an entry may be written in place (`in_place`; None: such SENDs go as
+    /// messages).
+    pub fn post(&self, index: u64, room: u32, direct: bool, in_place: Option<InPlace>) {
+        let target = self.in_place_slot(index);
+        let at = in_place.filter(|_| direct).unwrap_or(InPlace {
+            rkey: 0,
+            len: 0,
+            addr: 0,
+        });
+        target.rkey.store(at.rkey, Ordering::Relaxed);
+        target.len.store(at.len, Ordering::Relaxed);
+        target.addr.store(at.addr, Ordering::Relaxed);
         let slot = self.posted_slot(index);
         slot.room.store(room, Ordering::Relaxed);
         slot.posted_as
@@ -292,6 +349,22 @@ impl ReceiveRing {
         let slot = self.posted_slot(index);
         (slot.posted_as.load(Ordering::Acquire) == index + 1)
             .then(|| slot.room.load(Ordering::Relaxed))
+    }
+
+    /// Where a SEND larger than an entry may be written into the `index`-th receive WR, if it
+    /// is posted, may take a placed message, and its owner said where (the owner's word: the
+    /// peer checks it against the owner's published regions before writing).
+    pub fn in_place(&self, index: u64) -> Option<InPlace> {
+        if self.posted_slot(index).posted_as.load(Ordering::Acquire) != index + 1 {
+            return None;
+        }
+        let slot = self.in_place_slot(index);
+        let at = InPlace {
+            rkey: slot.rkey.load(Ordering::Relaxed),
+            len: slot.len.load(Ordering::Relaxed),
+            addr: slot.addr.load(Ordering::Relaxed),
+        };
+        (at.len > 0).then_some(at)
     }
 
     /// The room of the `index`-th receive WR, as [`ReceiveRing::posted_room`], for a peer
@@ -363,11 +436,14 @@ impl ReceiveRing {
     }
 
     /// Places a message in the `index`-th entry, which the caller took ([`ReceiveRing::take`]):
-    /// the bytes of `spans` (at most [`ENTRY_DATA`], else EMSGSIZE and nothing is placed),
-    /// then what describes them, then the mark that it is filled.
+    /// the bytes of `spans` (at most [`ENTRY_DATA`], else EMSGSIZE and nothing is placed;
+    /// none for a message written in place, whose `spans` the caller already wrote into the
+    /// WR's buffer), then what describes them, then the mark that it is filled.
     #[inline]
     pub fn fill(&self, index: u64, spans: &[AppSpan], message: &Placed) -> io::Result<()> {
-        self.write_data(index, spans)?;
+        if !message.in_place {
+            self.write_data(index, spans)?;
+        }
         let entry = self.entry(index);
         entry.byte_len.store(message.byte_len, Ordering::Relaxed);
         entry
@@ -386,15 +462,19 @@ impl ReceiveRing {
         } else {
             0
         };
-        entry.flags.store(with_imm | with_ack, Ordering::Relaxed);
+        let in_place = if message.in_place { FILLED_IN_PLACE } else { 0 };
+        entry
+            .flags
+            .store(with_imm | with_ack | in_place, Ordering::Relaxed);
         entry.psn.store(message.psn, Ordering::Relaxed);
         entry.filled_as.store(index + 1, Ordering::Release);
         Ok(())
     }
 
     /// The message placed in the `index`-th entry, if it is filled, its bytes read into `out`
-    /// (at most `out.len()` of them). Every field is the peer's word: the caller checks the
-    /// length against the receive WR before using the bytes.
+    /// (at most `out.len()` of them; none when they were written in place). Every field is
+    /// the peer's word: the caller checks the length against the receive WR before using the
+    /// bytes.
     pub fn read_filled(&self, index: u64, out: &mut [u8]) -> Option<Placed> {
         if !self.is_filled(index) {
             return None;
@@ -408,9 +488,12 @@ impl ReceiveRing {
                 .then(|| entry.imm_data.load(Ordering::Relaxed)),
             psn: entry.psn.load(Ordering::Relaxed),
             ack: (flags & FILLED_WITH_ACK != 0).then(|| entry.ack_psn.load(Ordering::Relaxed)),
+            in_place: flags & FILLED_IN_PLACE != 0,
         };
-        let n = (byte_len as usize).min(out.len());
-        self.read_data(index, &mut out[..n]);
+        if !placed.in_place {
+            let n = (byte_len as usize).min(out.len());
+            self.read_data(index, &mut out[..n]);
+        }
         Some(placed)
     }
 
@@ -475,16 +558,16 @@ mod tests {
         assert!(ReceiveRing::create(3).is_err());
         let peer = ReceiveRing::open_peer(std::process::id() as i32, own.fd(), own.ino()).unwrap();
         assert_eq!(peer.capacity(), 4);
-        own.post(5, 64, true);
+        own.post(5, 64, true, None);
         assert_eq!(peer.posted_room(5), Some(64));
         // Slot 5 is slot 1 of four, and stands for the 5th WR only.
         assert_eq!(peer.posted_room(1), None);
         assert_eq!(peer.posted_room(9), None);
-        own.post(6, 64, false);
+        own.post(6, 64, false, None);
         assert_eq!(peer.posted_room(6), None, "a WR for messages only");
         own.refuse(5);
         assert_eq!(peer.posted_room(5), None);
-        own.post(7, 8, true);
+        own.post(7, 8, true, None);
         own.reset();
         assert_eq!(peer.posted_room(7), None, "nothing posted before a reset");
         let bytes = *b"hello ring";
@@ -504,9 +587,9 @@ mod tests {
         let own = ReceiveRing::create(8).unwrap();
         let peer = ReceiveRing::open_peer(std::process::id() as i32, own.fd(), own.ino()).unwrap();
         for (index, room) in [(0, 10), (1, 11), (2, 12), (4, 14)] {
-            own.post(index, room, true);
+            own.post(index, room, true, None);
         }
-        own.post(3, 13, false);
+        own.post(3, 13, false, None);
         let mut ahead = PostedAhead::default();
         assert_eq!(peer.posted_room_ahead(0, 2, &mut ahead), Some(10));
         // WRs 1 and 2 were read with WR 0; WR 3 takes messages only, so the look stopped.
@@ -523,10 +606,10 @@ mod tests {
         // WR 4 starts the second line of slots: the look ends with it (WR 5 is not posted).
         assert_eq!(peer.posted_room_ahead(4, 4, &mut ahead), Some(14));
         assert_eq!((ahead.first, ahead.count), (4, 1));
-        own.post(5, 15, true);
-        own.post(6, 16, true);
-        own.post(7, 17, true);
-        own.post(8, 18, true); // slot 0 again, the next line
+        own.post(5, 15, true, None);
+        own.post(6, 16, true, None);
+        own.post(7, 17, true, None);
+        own.post(8, 18, true, None); // slot 0 again, the next line
         assert_eq!(peer.posted_room_ahead(5, 4, &mut ahead), Some(15));
         assert_eq!(
             (ahead.first, ahead.count),
@@ -537,8 +620,8 @@ mod tests {
         assert_eq!(peer.posted_room_ahead(8, 4, &mut ahead), Some(18));
         // A ring of two slots: no look beyond them (slot 0 again stands for another WR).
         let small = ReceiveRing::create(2).unwrap();
-        small.post(0, 20, true);
-        small.post(1, 21, true);
+        small.post(0, 20, true, None);
+        small.post(1, 21, true, None);
         let mut ahead = PostedAhead::default();
         assert_eq!(small.posted_room_ahead(0, 0, &mut ahead), Some(20));
         assert_eq!((ahead.first, ahead.count), (0, 2));

@@ -1,6 +1,7 @@
 /* The same-host SEND path (docs/design.md, "Same-host SEND path"): between two processes on one
- * host, an RC SEND of at most 256 bytes is placed by the sender straight into the receiver's
- * next receive WR, and the receiver completes it when it polls. Whatever path a SEND takes, the
+ * host, an RC SEND is placed by the sender in the receiver's next receive WR (up to 256 bytes
+ * in the receive ring, larger ones written in place into the WR's buffer when it is one SGE),
+ * and the receiver completes it when it polls. Whatever path a SEND takes, the
  * receiver must see what a HCA gives: data, order and every completion field, and the errors of
  * the message path. This program checks them the same way with the path on or off
  * (UGDR_DIRECT=off); tests/c_program.rs runs it both ways and reads which path was taken from
@@ -9,11 +10,12 @@
  * Forks: the child receives, the parent sends; each scenario has its own QP pair, and the two
  * exchange LID and QP number, then step markers, through pipes.
  *   shapes   SEND of 8 bytes, SEND_WITH_IMM of 100 inline bytes scattered over a receive WR of
- *            two SGEs (10 + 300 bytes), a 0-byte SEND, 256 bytes (the most placed), 257 bytes
- *            (a message), then 16 bytes again: every field of every completion, every byte.
+ *            two SGEs (10 + 300 bytes), a 0-byte SEND, 256 bytes (the most the ring holds), 257
+ *            bytes (written in place), then 16 bytes again: every field of every completion, every byte.
  *   stream   20,000 SENDs in windows of 64 (every 16th signaled): 64 bytes, in the second half
- *            every 7th 1000 bytes (a message), every 5th with immediate data; the receiver
- *            keeps 128 receive WRs posted and checks each message's number, length, bytes and
+ *            every 7th 1000 bytes (a message: its receive WR has two SGEs), every
+ *            11th otherwise 700 bytes (written in place), every 5th with immediate data; the
+ *            receiver keeps 128 receive WRs posted and checks each message's number, length, bytes and
  *            immediate data.
  *   short    a receive WR of 8 bytes for a SEND of 16: LOC_LEN_ERR at the receiver,
  *            REM_INV_REQ_ERR at the sender.
@@ -23,7 +25,7 @@
  *            (a sender reads a line of posted slots at a time); the receiver then deregisters
  *            the MR WR 31 names: the next SEND must not land there (REM_OP_ERR at the sender,
  *            LOC_PROT_ERR at the receiver, the buffer untouched), as in `dereg`.
- *   queued   a 1000-byte SEND (a message) completes at the sender, then a 64-byte one (placed:
+ *   queued   a 1000-byte SEND (a message, into two SGEs) completes at the sender, then a 64-byte one (placed:
  *            the receiver delivered the first), before the receiver polls for both at once:
  *            the first one's completion, queued when it was delivered, comes first.
  *   arrived  the MR is deregistered after the SEND completed at the sender but before the
@@ -34,7 +36,7 @@
  *   ack      200 times: a 1000-byte SEND whose sender polls only its send CQ until it
  *            completes, answered by a small SEND (placed, carrying the ACK): each completes
  *            within a second (the local ACK timeout is ~4.3 s).
- *   catchup  20 rounds: three unsignaled 1000-byte SENDs (messages) reach the receiver, which
+ *   catchup  20 rounds: three unsignaled 1000-byte SENDs (messages, into two SGEs) reach the receiver, which
  *            polls them and stops itself (SIGSTOP), in most rounds before its ACK of them
  *            leaves (it goes once the receiver runs out of work); a 64-byte RDMA WRITE
  *            and two 16-byte SENDs then complete at post: the receiver's ring says its
@@ -47,6 +49,13 @@
  *            nothing reaches the receiver: its two posted receives are flushed, their buffers
  *            untouched, and it gets IBV_EVENT_QP_ACCESS_ERR: nothing behind a request that
  *            failed at the responder reaches it, whichever path it would take.
+ *   inplace  SENDs of 257 bytes to 1 MiB (two with immediate data) into one-SGE WRs larger
+ *            than them: every field, every byte, nothing past them; then 2000 bytes into a
+ *            WR of 1000: LOC_LEN_ERR at the receiver, REM_INV_REQ_ERR at the sender, the
+ *            WR's buffer untouched.
+ *   race     16 KiB SENDs into WRs of a second MR, deregistered after 300 receives: earlier
+ *            ones complete with their data, then one LOC_PROT_ERR and flushes, REM_OP_ERR at
+ *            the sender, and no byte of that memory changes once ibv_dereg_mr returned.
  * Prints "direct_send: ok". Usage: direct_send */
 #include "verbs_test.h"
 #include <arpa/inet.h>
@@ -161,6 +170,16 @@ static void post_recv_slot(struct side *s, uint64_t wr_id, uint32_t slot, uint32
     struct ibv_sge sge = { .addr = (uintptr_t)s->buf + (size_t)slot * SLOT, .length = len,
                            .lkey = s->mr->lkey };
     post_recv(s, wr_id, &sge, 1);
+}
+
+/* The same `len` bytes as two SGEs (32 bytes, then the rest): a WR no SEND above 256 bytes is
+ * written into in place, so such a SEND reaches it as a message. */
+static void post_recv_for_message(struct side *s, uint64_t wr_id, uint32_t slot, uint32_t len)
+{
+    uintptr_t at = (uintptr_t)s->buf + (size_t)slot * SLOT;
+    struct ibv_sge two[2] = { { .addr = at, .length = 32, .lkey = s->mr->lkey },
+                              { .addr = at + 32, .length = len - 32, .lkey = s->mr->lkey } };
+    post_recv(s, wr_id, two, 2);
 }
 
 /* A SEND of `len` bytes from `at` in the buffer (or inline), signaled or not, with immediate
@@ -311,7 +330,19 @@ static void shapes_sender(void)
 
 /* ------------------------------------------------------------------------------ stream */
 
-static uint32_t stream_len(uint32_t i) { return i >= STREAM / 2 && i % 7 == 6 ? 1000 : 64; }
+static int stream_message(uint32_t i) { return i >= STREAM / 2 && i % 7 == 6; }
+static uint32_t stream_len(uint32_t i)
+{
+    return stream_message(i) ? 1000 : i % 11 == 10 ? 700 : 64;
+}
+/* The receive WR for SEND `i`: two SGEs where it must come as a message. */
+static void post_stream_recv(struct side *s, uint32_t i, uint32_t slot)
+{
+    if (stream_message(i))
+        post_recv_for_message(s, i, slot, SLOT);
+    else
+        post_recv_slot(s, i, slot, SLOT);
+}
 static uint32_t stream_imm(uint32_t i) { return i % 5 == 0 ? 0x5000000 + i : 0; }
 
 static void stream_receiver(void)
@@ -319,7 +350,7 @@ static void stream_receiver(void)
     struct side s;
     open_side(&s);
     for (uint32_t i = 0; i < POSTED; i++)
-        post_recv_slot(&s, i, i, SLOT);
+        post_stream_recv(&s, i, i);
     step('r');
     struct ibv_wc wc[32];
     for (uint32_t got = 0; got < STREAM;) {
@@ -341,7 +372,7 @@ static void stream_receiver(void)
             CHECK(number == got, "stream: slot of message %u holds %u", got, number);
             check_bytes(s.buf + (size_t)slot * SLOT + 4, stream_len(got) - 4, got, "stream");
             if (got + POSTED < STREAM)
-                post_recv_slot(&s, got + POSTED, slot, SLOT);
+                post_stream_recv(&s, got + POSTED, slot);
         }
     }
     expect_cq_empty(s.rcq, "stream");
@@ -490,7 +521,7 @@ static void queued_receiver(void)
 {
     struct side s;
     open_side(&s);
-    post_recv_slot(&s, 40, 0, SLOT);
+    post_recv_for_message(&s, 40, 0, SLOT);
     post_recv_slot(&s, 41, 1, SLOT);
     step('r');
     await_step('s');
@@ -586,7 +617,7 @@ static void flush_sender(void)
 
 /* ------------------------------------------------------------------------------ ack */
 
-/* The parent sends a 1000-byte SEND (a message) and waits for its completion polling only
+/* The parent sends a 1000-byte SEND (a message: two SGEs) and waits for its completion polling only
  * its send CQ; the child answers each with a 16-byte SEND, placed in the parent's ring and
  * carrying the ACK the child owes. The parent must get its completion without polling its
  * receive CQ, as from a HCA: with a local ACK timeout of ~4.3 s, a completion that waited
@@ -604,11 +635,11 @@ static void ack_receiver(void)
 {
     struct side s;
     open_side(&s);
-    post_recv_slot(&s, 0, 0, SLOT);
+    post_recv_for_message(&s, 0, 0, SLOT);
     step('r');
     for (uint32_t i = 0; i < ACK_ROUNDS; i++) {
         expect_recv(&s, i, 1000, 0);
-        post_recv_slot(&s, i + 1, 0, SLOT);
+        post_recv_for_message(&s, i + 1, 0, SLOT);
         post_send(&s, 1000 + i, SLOT, 16, 0, IBV_SEND_SIGNALED);
         expect_send(&s, 1000 + i, IBV_WC_SUCCESS);
     }
@@ -661,7 +692,7 @@ static void catchup_receiver(void)
         memset(s.buf, 0, 5 * SLOT);
         memset(target, 0, 4096);
         for (uint32_t i = 0; i < 5; i++)
-            post_recv_slot(&s, id + 40 + i, i, SLOT);
+            (i < 3 ? post_recv_for_message : post_recv_slot)(&s, id + 40 + i, i, SLOT);
         step('r');
         for (uint32_t i = 0; i < 3; i++)
             expect_recv(&s, id + 40 + i, 1000, 0);
@@ -746,6 +777,165 @@ static void catchup_sender(pid_t receiver)
     close_side(&s);
 }
 
+/* ------------------------------------------------------------------------------ in place */
+
+/* SENDs above 256 bytes into receive WRs of one SGE, written in place by the sender: each
+ * WR's room is larger than its SEND (bytes past the SEND must stay untouched), except the
+ * last, exactly as large. */
+static const uint32_t BIG_LEN[] = { 257, 4096, 65536, 1 << 20, 3000 };
+static const size_t BIG_AT[] = { 0, 4096, 16384, 2 << 20, 90000 };
+static const uint32_t BIG_ROOM[] = { 1024, 8192, 65536 + 64, (1 << 20) + 64, 3000 };
+#define BIGS 5
+
+static uint32_t big_imm(uint32_t i) { return i == 1 || i == 3 ? 0xabc00000 + i : 0; }
+
+static void inplace_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    memset(s.buf, 0xee, 4 << 20);
+    for (uint32_t i = 0; i < BIGS; i++) {
+        struct ibv_sge sge = { .addr = (uintptr_t)s.buf + BIG_AT[i], .length = BIG_ROOM[i],
+                               .lkey = s.mr->lkey };
+        post_recv(&s, 300 + i, &sge, 1);
+    }
+    /* Too small for the 2000-byte SEND that follows: it is not written in place, and the
+     * message path fails it (LOC_LEN_ERR here, REM_INV_REQ_ERR at the sender). */
+    post_recv_slot(&s, 310, 3100, 1000);
+    step('r');
+    for (uint32_t i = 0; i < BIGS; i++) {
+        expect_recv(&s, 300 + i, BIG_LEN[i], big_imm(i));
+        check_bytes(s.buf + BIG_AT[i], BIG_LEN[i], 200 + i, "in place");
+        CHECK((unsigned char)s.buf[BIG_AT[i] + BIG_LEN[i]] == 0xee,
+              "in place: SEND %u wrote past its length", i);
+    }
+    expect_recv_status(&s, 310, IBV_WC_LOC_LEN_ERR);
+    for (size_t k = 0; k < 1000; k++)
+        CHECK((unsigned char)s.buf[(size_t)3100 * SLOT + k] == 0xee,
+              "in place: byte %zu of the short WR changed", k);
+    expect_cq_empty(s.rcq, "in place");
+    step('d');
+    close_side(&s);
+}
+
+static void inplace_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    for (uint32_t i = 0; i < BIGS; i++) {
+        fill(s.buf + BIG_AT[i], BIG_LEN[i], 200 + i);
+        post_send(&s, 320 + i, BIG_AT[i], BIG_LEN[i], big_imm(i), IBV_SEND_SIGNALED);
+        expect_send(&s, 320 + i, IBV_WC_SUCCESS);
+    }
+    post_send(&s, 330, 0, 2000, 0, IBV_SEND_SIGNALED);
+    expect_send(&s, 330, IBV_WC_REM_INV_REQ_ERR);
+    expect_cq_empty(s.scq, "in place sender");
+    await_step('d');
+    close_side(&s);
+}
+
+/* ------------------------------------------------------------------------------ race */
+
+/* A stream of 16 KiB SENDs written in place into receive WRs of a second MR, which the
+ * receiver deregisters in the middle of it: every receive before completes with its data,
+ * then one LOC_PROT_ERR (a SEND for a WR whose MR is gone; the receiver posts one such WR
+ * after the deregistration, so that one is there whatever the sender filled before), then
+ * flushes; the sender gets REM_OP_ERR; and from the moment ibv_dereg_mr returned, no byte of
+ * that memory changes. */
+#define RACE_WRS 32
+#define RACE_LEN 16384
+#define RACE_AFTER 300
+
+static void race_receiver(void)
+{
+    struct side s;
+    open_side(&s);
+    size_t size = (size_t)RACE_WRS * RACE_LEN;
+    char *mem = aligned_alloc(4096, size), *snap = malloc(size);
+    CHECK(mem && snap, "race memory");
+    memset(mem, 0, size);
+    struct ibv_mr *mr = ibv_reg_mr(s.pd, mem, size, IBV_ACCESS_LOCAL_WRITE);
+    CHECK(mr, "reg_mr");
+    uint32_t posted = 0, done = 0, errors = 0;
+    for (; posted < RACE_WRS; posted++) {
+        struct ibv_sge sge = { .addr = (uintptr_t)mem + (size_t)posted * RACE_LEN,
+                               .length = RACE_LEN, .lkey = mr->lkey };
+        post_recv(&s, posted, &sge, 1);
+    }
+    step('r');
+    struct ibv_wc wc;
+    while (done < posted) {
+        if (done == RACE_AFTER) {
+            uint32_t lkey = mr->lkey;
+            CHECK(ibv_dereg_mr(mr) == 0, "race dereg_mr");
+            memcpy(snap, mem, size);
+            struct ibv_sge sge = { .addr = (uintptr_t)mem, .length = RACE_LEN, .lkey = lkey };
+            post_recv(&s, posted++, &sge, 1);
+        }
+        CHECK(poll_one(s.rcq, &wc) == 1, "race: no receive completion for %u", done);
+        CHECK(wc.wr_id == done && wc.qp_num == s.qp->qp_num, "race: wr_id %" PRIu64 " for %u",
+              wc.wr_id, done);
+        char *at = mem + (size_t)(done % RACE_WRS) * RACE_LEN;
+        if (wc.status == IBV_WC_SUCCESS) {
+            CHECK(errors == 0 && wc.byte_len == RACE_LEN && wc.opcode == IBV_WC_RECV &&
+                      wc.src_qp == s.peer_qpn,
+                  "race: receive %u succeeded after an error, or its fields are wrong", done);
+            uint32_t number;
+            memcpy(&number, at, 4);
+            CHECK(number == done, "race: receive %u holds SEND %u", done, number);
+            check_bytes(at + 4, RACE_LEN - 4, done, "race");
+        } else if (wc.status == IBV_WC_LOC_PROT_ERR) {
+            CHECK(done >= RACE_AFTER && errors++ == 0, "race: LOC_PROT_ERR for receive %u",
+                  done);
+        } else {
+            CHECK(wc.status == IBV_WC_WR_FLUSH_ERR && errors == 1,
+                  "race: receive %u: %s", done, ibv_wc_status_str(wc.status));
+        }
+        done++;
+        if (done < RACE_AFTER && posted < RACE_AFTER + RACE_WRS - 1) {
+            struct ibv_sge sge = { .addr = (uintptr_t)mem + (size_t)(posted % RACE_WRS) * RACE_LEN,
+                                   .length = RACE_LEN, .lkey = mr->lkey };
+            post_recv(&s, posted++, &sge, 1);
+        }
+    }
+    CHECK(errors == 1, "race: %u receives failed, wanted 1", errors);
+    expect_cq_empty(s.rcq, "race");
+    await_step('e');
+    struct timespec pause = { 0, 100 * 1000 * 1000 };
+    nanosleep(&pause, NULL);
+    for (size_t k = 0; k < size; k++)
+        CHECK(mem[k] == snap[k], "race: byte %zu changed after ibv_dereg_mr returned", k);
+    step('d');
+    close_side(&s);
+    free(mem);
+    free(snap);
+}
+
+static void race_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    await_step('r');
+    struct ibv_wc wc;
+    for (uint32_t i = 0;; i++) {
+        CHECK(i < RACE_AFTER + RACE_WRS + 10, "race: SEND %u still succeeded", i);
+        size_t at = (size_t)(i % 2) * RACE_LEN;
+        memcpy(s.buf + at, &i, 4);
+        fill(s.buf + at + 4, RACE_LEN - 4, i);
+        post_send(&s, i, at, RACE_LEN, 0, IBV_SEND_SIGNALED);
+        CHECK(poll_one(s.scq, &wc) == 1 && wc.wr_id == i, "race: no completion for SEND %u", i);
+        if (wc.status != IBV_WC_SUCCESS) {
+            CHECK(wc.status == IBV_WC_REM_OP_ERR && i >= RACE_AFTER,
+                  "race: SEND %u completed with %s", i, ibv_wc_status_str(wc.status));
+            break;
+        }
+    }
+    step('e');
+    await_step('d');
+    close_side(&s);
+}
+
 /* ------------------------------------------------------------------------------ refused */
 
 static void refused_receiver(void)
@@ -809,6 +999,7 @@ int main(void)
         { ahead_receiver, ahead_sender },     { queued_receiver, queued_sender },
         { arrived_receiver, arrived_sender }, { flush_receiver, flush_sender },
         { ack_receiver, ack_sender },         { refused_receiver, refused_sender },
+        { inplace_receiver, inplace_sender }, { race_receiver, race_sender },
     };
     CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");
     pid_t child = fork();

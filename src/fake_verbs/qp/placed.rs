@@ -7,7 +7,9 @@
 //! completed.
 
 use super::super::cq::{CompletionQueue, PlacedArrivals, Poller};
-use super::super::mr::{land_in_one_pinned_sge, local_spans_cached, receive_sges_pinned};
+use super::super::mr::{
+    in_place_target, land_in_one_pinned_sge, local_spans_cached, receive_sges_pinned,
+};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{RecvRequest, WcStatus};
 use super::QueuePair;
@@ -108,12 +110,16 @@ impl QueuePair {
 
     /// Posts `wr` into the ring: a placed SEND may land in it only if its buffers are valid
     /// pinned memory now (else the SEND goes through UCX, and the responder's checks give the
-    /// outcome).
+    /// outcome); one larger than a ring entry only if its one SGE lies in a region published
+    /// for the direct path, where the peer writes it in place.
     fn offer_receive(&self, ring: &OwnReceiveRing, q: &mut Queues, wr: &RecvRequest) {
-        ring.post(
-            wr.room(),
-            receive_sges_pinned(&self.pd, &wr.sges, &mut q.recv_keys),
-        );
+        let direct = receive_sges_pinned(&self.pd, &wr.sges, &mut q.recv_keys);
+        let in_place = if direct && wr.room() > SEND_MAX as u64 {
+            in_place_target(&self.pd, &wr.sges)
+        } else {
+            None
+        };
+        ring.post(wr.room(), direct, in_place);
     }
 
     /// Completes, in order, the receive WRs a peer placed SENDs in. True when one failed
@@ -159,10 +165,14 @@ impl QueuePair {
                 h.imm_data = imm;
             }
             let len = placed.byte_len as usize;
-            let landed = if len as u64 > wr.room() || len > SEND_MAX {
+            let landed = if len as u64 > wr.room() || (len > SEND_MAX && !placed.in_place) {
                 // The peer checked the room it read in the ring; one that wrote more than the
                 // WR holds broke the protocol: nothing lands.
                 Err(WcStatus::LocLenErr)
+            } else if placed.in_place {
+                // Written into the WR's one SGE by the peer, through the region's published
+                // slot: while it was registered (deregistration completes placed WRs first).
+                Ok(())
             } else if land_in_one_pinned_sge(
                 &self.pd,
                 &wr.sges,

@@ -792,7 +792,7 @@ impl QueuePair {
             SendOpcode::SendWithImm => Some(req.imm_data),
             _ => return None,
         };
-        if self.qp_type != QpType::Rc || length > direct::SEND_MAX as u64 {
+        if self.qp_type != QpType::Rc || length > u64::from(u32::MAX) {
             return None;
         }
         let peer = q.peer.as_ref()?;
