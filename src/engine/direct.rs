@@ -205,9 +205,23 @@ impl LocalMemory {
     fn backing_for(&self, addr: u64, len: u64) -> Option<Arc<Backing>> {
         let mut backings = self.backings.lock().unwrap_or_else(|p| p.into_inner());
         // Keep a backing while an MR uses it or the application still maps it (so memory
-        // registered again after a deregistration finds it); forget it once unmapped.
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-        backings.retain(|b| Arc::strong_count(b) > 1 || b.still_mapped(&maps));
+        // registered again after a deregistration finds it); forget it once unmapped. A few
+        // unused ones are looked up one by one; many, in one read of all the mappings.
+        let unused = backings
+            .iter()
+            .filter(|b| Arc::strong_count(b) == 1)
+            .count();
+        let listed = if unused > 16 {
+            crate::ucp::mappings::all_vmas().ok()
+        } else {
+            None
+        };
+        backings.retain(|b| {
+            Arc::strong_count(b) > 1
+                || listed
+                    .as_deref()
+                    .map_or_else(|| b.still_mapped(), |all| b.still_mapped_in(all))
+        });
         let end = addr.checked_add(len)?;
         if let Some(b) = backings.iter().find(|b| b.covers_pages_of(addr, end)) {
             return Some(Arc::clone(b));
@@ -1086,6 +1100,68 @@ mod tests {
         peer.fill(index, &[AppSpan::of_owned(bytes)], &message)
             .unwrap();
         index
+    }
+
+    /// Regions published and withdrawn leave their backings behind while the memory stays
+    /// mapped (a new registration of it reuses one); once more than 16 such wait, they are
+    /// checked from one read of all the mappings: the reused and the forgotten are the same.
+    #[test]
+    fn backings_of_withdrawn_regions_are_reused_while_mapped_and_forgotten_once_unmapped() {
+        const N: usize = 20;
+        let memory = LocalMemory::new(1).unwrap();
+        let page = 4096usize;
+        let pages = crate::shared_memory::TestPages::new(N * 2);
+        let addr = |i: usize| pages.addr() + (i * 2 * page) as u64;
+        let publish = |i: usize| {
+            let slot = memory.allocate_region_slot().unwrap();
+            let view = RegionView {
+                rkey: u32::from(slot),
+                pd: 1,
+                access: LOCAL_WRITE,
+                iova: addr(i),
+                addr: addr(i),
+                len: page as u64,
+            };
+            (slot, memory.publish_region(slot, &view).unwrap())
+        };
+        let mut inodes = Vec::new();
+        for i in 0..N {
+            let (slot, region) = publish(i);
+            let s = memory.table.mr(usize::from(slot));
+            assert!(
+                s.backing_fd.load(Ordering::Relaxed) >= 0,
+                "region {i} on a backing"
+            );
+            inodes.push(s.backing_ino.load(Ordering::Relaxed));
+            memory.withdraw_region(region);
+            memory.free_region_slot(slot);
+        }
+        // More than 16 unused backings: one read of the mappings; region 3's is reused.
+        let (slot, region) = publish(3);
+        let s = memory.table.mr(usize::from(slot));
+        assert_eq!(s.backing_ino.load(Ordering::Relaxed), inodes[3]);
+        memory.withdraw_region(region);
+        memory.free_region_slot(slot);
+        // The application unmaps all but region 5: the other backings go at the next
+        // registration, region 5's stays for it.
+        pages.unmap(0, 5 * 2 * page);
+        pages.unmap(6 * 2 * page, (N - 6) * 2 * page);
+        let (slot, region) = publish(5);
+        let s = memory.table.mr(usize::from(slot));
+        assert_eq!(s.backing_ino.load(Ordering::Relaxed), inodes[5]);
+        assert_eq!(
+            memory
+                .backings
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|b| b.ino())
+                .collect::<Vec<_>>(),
+            vec![inodes[5]],
+            "the unmapped ones were forgotten"
+        );
+        memory.withdraw_region(region);
+        memory.free_region_slot(slot);
     }
 
     #[test]

@@ -19,6 +19,7 @@
 //! (a private file mapping, a file no descriptor holds any more) keeps to the message path.
 
 use super::{Mapping, file_identity, memfd, open_peer_fd, page_size};
+use crate::ucp::mappings::{Vma, vmas_overlapping};
 use crate::ucp::{AppSpan, total_len};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -97,8 +98,7 @@ impl Backing {
             .checked_add(len)
             .and_then(|end| whole_pages(addr, end))
             .ok_or_else(|| io::Error::from_raw_os_error(libc::ERANGE))?;
-        let maps = std::fs::read_to_string("/proc/self/maps")?;
-        let file = shared_file_of(&maps, base, end)?;
+        let file = shared_file_of(&vmas_overlapping(base, end)?, base, end)?;
         let fd = open_by_identity(file.dev, file.ino)?;
         let (size, ino) = file_identity(&fd)?;
         if ino != file.ino || file.offset.saturating_add(end - base) > size {
@@ -145,14 +145,20 @@ impl Backing {
         self.file_offset + (addr - self.base)
     }
 
-    /// Whether the application still maps this backing's pages from its memfd (`maps` is the
-    /// text of `/proc/self/maps`): then a new registration of the same memory can reuse it.
-    pub fn still_mapped(&self, maps: &str) -> bool {
-        let mut covered = self.base;
+    /// Whether the application still maps this backing's pages from its memfd: then a new
+    /// registration of the same memory can reuse it.
+    pub fn still_mapped(&self) -> bool {
+        vmas_overlapping(self.base, self.base + self.len)
+            .is_ok_and(|vmas| self.still_mapped_in(&vmas))
+    }
+
+    /// [`Backing::still_mapped`], from `vmas` (mappings that include those over the backing).
+    pub fn still_mapped_in(&self, vmas: &[Vma]) -> bool {
         let end = self.base + self.len;
-        for m in maps_lines(maps) {
-            if m.inode == self.ino && m.lo <= covered && m.hi > covered {
-                covered = m.hi;
+        let mut covered = self.base;
+        for m in vmas {
+            if m.inode == self.ino && m.start <= covered && m.end > covered {
+                covered = m.end;
                 if covered >= end {
                     return true;
                 }
@@ -175,60 +181,22 @@ fn whole_pages(addr: u64, end: u64) -> Option<(u64, u64)> {
     (end > start).then_some((start, end))
 }
 
-/// Checks, from `/proc/self/maps`, that `[start, end)` is covered by private anonymous mappings
-/// that are readable and writable and not the stack.
+/// Checks, from this process's mappings, that `[start, end)` is covered by private anonymous
+/// mappings that are readable and writable and not the stack.
 fn check_private_anonymous(start: u64, end: u64) -> io::Result<()> {
-    let maps = std::fs::read_to_string("/proc/self/maps")?;
     let mut covered = start;
-    for m in maps_lines(&maps) {
-        if m.hi <= covered || m.lo >= end {
-            continue;
-        }
-        let anonymous = m.inode == 0 && (m.path.is_empty() || m.path == "[heap]");
-        if m.lo > covered || !anonymous || !m.perms.starts_with("rw") || !m.perms.ends_with('p') {
+    for m in vmas_overlapping(start, end)? {
+        let anonymous =
+            m.inode == 0 && (m.anonymous_name.is_empty() || m.anonymous_name == "[heap]");
+        if m.start > covered || !anonymous || !m.read || !m.write || m.shared {
             return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
         }
-        covered = m.hi;
+        covered = m.end;
         if covered >= end {
             return Ok(());
         }
     }
     Err(io::Error::from_raw_os_error(libc::EFAULT))
-}
-
-/// One line of `/proc/self/maps`.
-struct MapsLine<'a> {
-    lo: u64,
-    hi: u64,
-    perms: &'a str,
-    /// Offset in the file.
-    offset: u64,
-    dev: u64,
-    inode: u64,
-    path: &'a str,
-}
-
-/// The lines of `maps` (the text of `/proc/self/maps`) that parse.
-fn maps_lines(maps: &str) -> impl Iterator<Item = MapsLine<'_>> {
-    maps.lines().filter_map(|line| {
-        let mut f = line.split_whitespace();
-        let (range, perms, offset, dev, inode) =
-            (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
-        let (lo, hi) = range.split_once('-')?;
-        let (major, minor) = dev.split_once(':')?;
-        Some(MapsLine {
-            lo: u64::from_str_radix(lo, 16).ok()?,
-            hi: u64::from_str_radix(hi, 16).ok()?,
-            perms,
-            offset: u64::from_str_radix(offset, 16).ok()?,
-            dev: libc::makedev(
-                u32::from_str_radix(major, 16).ok()?,
-                u32::from_str_radix(minor, 16).ok()?,
-            ),
-            inode: inode.parse().ok()?,
-            path: f.next().unwrap_or(""),
-        })
-    })
 }
 
 /// The file a range of shared memory maps, and where the range starts in it.
@@ -239,21 +207,21 @@ struct SharedFile {
     offset: u64,
 }
 
-/// Checks, from `maps` (`/proc/self/maps`), that `[start, end)` is one read-write shared
+/// Checks, from the mappings over `[start, end)`, that the range is one read-write shared
 /// mapping of one file, contiguous in it, and says which file and where.
-fn shared_file_of(maps: &str, start: u64, end: u64) -> io::Result<SharedFile> {
+fn shared_file_of(vmas: &[Vma], start: u64, end: u64) -> io::Result<SharedFile> {
     let unsupported = || io::Error::from_raw_os_error(libc::EOPNOTSUPP);
     let mut covered = start;
     let mut found: Option<SharedFile> = None;
-    for m in maps_lines(maps) {
-        if m.hi <= covered || m.lo >= end {
+    for m in vmas {
+        if m.end <= covered || m.start >= end {
             continue;
         }
-        if m.lo > covered || m.inode == 0 || !m.perms.starts_with("rw") || !m.perms.ends_with('s') {
+        if m.start > covered || m.inode == 0 || !m.read || !m.write || !m.shared {
             return Err(unsupported());
         }
-        // Where `covered` lies in this line's file.
-        let at = m.offset + (covered - m.lo);
+        // Where `covered` lies in this mapping's file.
+        let at = m.offset + (covered - m.start);
         match &found {
             None => {
                 found = Some(SharedFile {
@@ -266,7 +234,7 @@ fn shared_file_of(maps: &str, start: u64, end: u64) -> io::Result<SharedFile> {
             }
             Some(_) => return Err(unsupported()),
         }
-        covered = m.hi;
+        covered = m.end;
         if covered >= end {
             return found.ok_or_else(unsupported);
         }
@@ -430,6 +398,7 @@ impl PeerBacking {
 mod tests {
     use super::*;
     use crate::ucp::AppRegion;
+    use crate::ucp::mappings::{all_vmas, vmas_of_text};
 
     #[test]
     fn a_shared_file_range_is_found_in_the_maps_and_anything_else_refused() {
@@ -440,6 +409,7 @@ mod tests {
 6000-7000 rw-p 00000000 00:00 0
 7000-8000 r--s 00000000 00:01 79 /memfd:ro (deleted)
 ";
+        let maps = &vmas_of_text(maps, 0, u64::MAX);
         let f = shared_file_of(maps, 0x2000, 0x5000).unwrap();
         assert_eq!((f.dev, f.ino, f.offset), (libc::makedev(0, 1), 77, 0x3000));
         let refused = |lo, hi| shared_file_of(maps, lo, hi).unwrap_err().raw_os_error();
@@ -449,6 +419,7 @@ mod tests {
         assert_eq!(refused(0x8000, 0x9000), Some(libc::EFAULT), "not mapped");
         // Two lines of one file that are not contiguous in it.
         let gap = "1000-2000 rw-s 00000000 00:01 77 /f\n2000-3000 rw-s 00005000 00:01 77 /f\n";
+        let gap = &vmas_of_text(gap, 0, u64::MAX);
         assert_eq!(
             shared_file_of(gap, 0x1000, 0x3000)
                 .unwrap_err()
@@ -459,21 +430,11 @@ mod tests {
 
     /// A private anonymous mapping of `pages` pages, filled with a pattern.
     fn anonymous(pages: usize) -> &'static mut [u8] {
+        // Leaked: unmapped only when the test process ends.
+        let mapped = std::mem::ManuallyDrop::new(crate::shared_memory::TestPages::new(pages));
         let len = pages * page_size() as usize;
-        // SAFETY: a fresh private anonymous mapping, leaked for the test's duration.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        // SAFETY: the mapping above, `len` bytes, owned by the test from now on.
-        let buf = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) };
+        // SAFETY: the fresh mapping above, `len` bytes, owned by the test from now on.
+        let buf = unsafe { std::slice::from_raw_parts_mut(mapped.addr() as *mut u8, len) };
         for (i, b) in buf.iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }
@@ -530,11 +491,8 @@ mod tests {
         );
         assert!(backing.covers_pages_of(start + 4096, start + 3 * 4096 + 7));
         assert!(!backing.covers_pages_of(start, start + 4 * 4096));
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        assert!(
-            backing.still_mapped(&maps),
-            "the application maps the memfd now"
-        );
+        assert!(backing.still_mapped(), "the application maps the memfd now");
+        assert!(backing.still_mapped_in(&all_vmas().unwrap()));
         assert!(buf.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
         let peer =
             PeerBacking::open(std::process::id() as i32, backing.fd(), backing.ino()).unwrap();
@@ -557,6 +515,22 @@ mod tests {
             peer.write(2 * 4096 - 5, &[AppSpan::of_owned(&src)])
                 .is_err()
         );
+        // The application maps other memory over one of the pages: the backing is no longer
+        // what it maps there, by either way of reading the mappings.
+        // SAFETY: page 2 of the test's own mapping, which nothing uses from here on.
+        let over = unsafe {
+            libc::mmap(
+                (start + 2 * 4096) as *mut libc::c_void,
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(over, libc::MAP_FAILED);
+        assert!(!backing.still_mapped());
+        assert!(!backing.still_mapped_in(&all_vmas().unwrap()));
     }
 
     #[test]

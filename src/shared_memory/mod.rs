@@ -202,3 +202,51 @@ fn page_size() -> u64 {
         if p > 0 { p as u64 } else { 4096 }
     })
 }
+
+/// Private anonymous pages a test maps and unmaps, as an application maps its memory.
+#[cfg(test)]
+pub(crate) struct TestPages {
+    base: u64,
+    len: usize,
+}
+
+#[cfg(test)]
+impl TestPages {
+    pub(crate) fn new(pages: usize) -> TestPages {
+        let len = pages * page_size() as usize;
+        // SAFETY: a new mapping the kernel places; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        TestPages {
+            base: base as u64,
+            len,
+        }
+    }
+
+    pub(crate) fn addr(&self) -> u64 {
+        self.base
+    }
+
+    /// Unmaps `len` bytes at `offset` (page multiples) of these pages.
+    pub(crate) fn unmap(&self, offset: usize, len: usize) {
+        assert!(offset + len <= self.len);
+        // SAFETY: a range of this object's own mapping, which no Rust reference points into.
+        unsafe { libc::munmap((self.base as usize + offset) as *mut libc::c_void, len) };
+    }
+}
+
+#[cfg(test)]
+impl Drop for TestPages {
+    fn drop(&mut self) {
+        self.unmap(0, self.len);
+    }
+}

@@ -128,17 +128,40 @@ const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
 const VMA_READABLE: u64 = 1;
 const VMA_WRITABLE: u64 = 2;
 
+const VMA_SHARED: u64 = 8;
+/// The mapping covering the address, or else the next one above it.
+const COVERING_OR_NEXT: u64 = 0x10;
+const _: () = assert!(size_of::<ProcmapQuery>() == 104);
+
 /// This process's `/proc/self/maps`, opened by the process that asks (a forked child opens
 /// its own), or None where the kernel does not answer PROCMAP_QUERY.
 static QUERY_FILE: std::sync::Mutex<Option<(u32, Option<std::fs::File>)>> =
     std::sync::Mutex::new(None);
 
-/// The mapping covering `addr` (start, end, flags), None if there is none; Err when the
-/// kernel has no PROCMAP_QUERY (then the text is read instead).
-fn query(file: &std::fs::File, addr: u64) -> Result<Option<(u64, u64, u64)>, ()> {
+/// Runs `f` with this process's `/proc/self/maps` open for PROCMAP_QUERY; None where the
+/// kernel lacks it.
+fn with_query_file<R>(f: impl FnOnce(&std::fs::File) -> R) -> Option<R> {
+    let mut slot = QUERY_FILE.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if slot.as_ref().is_none_or(|(owner, _)| *owner != pid) {
+        // Asked about this module's code, which is mapped: an old kernel answers ENOTTY (or
+        // EINVAL).
+        let here = query as *const () as u64;
+        let file = std::fs::File::open("/proc/self/maps")
+            .ok()
+            .filter(|f| query(f, here, 0).is_ok());
+        *slot = Some((pid, file));
+    }
+    slot.as_ref()?.1.as_ref().map(f)
+}
+
+/// The mapping covering `addr` (with [`COVERING_OR_NEXT`] in `flags`: or else the next one
+/// above), None if there is none; Err when the kernel has no PROCMAP_QUERY.
+fn query(file: &std::fs::File, addr: u64, flags: u64) -> Result<Option<ProcmapQuery>, ()> {
     use std::os::fd::AsRawFd;
     let mut q = ProcmapQuery {
         size: size_of::<ProcmapQuery>() as u64,
+        query_flags: flags,
         query_addr: addr,
         ..Default::default()
     };
@@ -146,7 +169,7 @@ fn query(file: &std::fs::File, addr: u64) -> Result<Option<(u64, u64, u64)>, ()>
     // `size`), asks for no name or build id (sizes 0), and touches nothing else.
     let rc = unsafe { libc::ioctl(file.as_raw_fd(), PROCMAP_QUERY, &mut q) };
     if rc == 0 {
-        return Ok(Some((q.vma_start, q.vma_end, q.vma_flags)));
+        return Ok(Some(q));
     }
     match std::io::Error::last_os_error().raw_os_error() {
         Some(libc::ENOENT) => Ok(None),
@@ -157,31 +180,154 @@ fn query(file: &std::fs::File, addr: u64) -> Result<Option<(u64, u64, u64)>, ()>
 /// The check by PROCMAP_QUERY (one ioctl per mapping the range crosses); None where the
 /// kernel lacks it.
 fn check_by_query(addr: u64, end: u64, write: bool) -> Option<Result<(), Unusable>> {
-    let mut slot = QUERY_FILE.lock().unwrap_or_else(|p| p.into_inner());
-    let pid = std::process::id();
-    if slot.as_ref().is_none_or(|(owner, _)| *owner != pid) {
-        let file = std::fs::File::open("/proc/self/maps")
-            .ok()
-            .filter(|f| query(f, addr).is_ok());
-        *slot = Some((pid, file));
+    with_query_file(|file| {
+        let mut covered = addr;
+        while covered < end {
+            let q = match query(file, covered, 0) {
+                Ok(Some(q)) => q,
+                Ok(None) => return Some(Err(Unusable::Unmapped)),
+                Err(()) => return None,
+            };
+            if q.vma_flags & VMA_READABLE == 0 {
+                return Some(Err(Unusable::NotReadable));
+            }
+            if write && q.vma_flags & VMA_WRITABLE == 0 {
+                return Some(Err(Unusable::NotWritable));
+            }
+            covered = q.vma_end;
+        }
+        Some(Ok(()))
+    })?
+}
+
+/// One mapping with all that a line of `/proc/self/maps` says of it (what
+/// `shared_memory::Backing` checks before it moves, adopts or reuses memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vma {
+    pub start: u64,
+    pub end: u64,
+    pub read: bool,
+    pub write: bool,
+    pub shared: bool,
+    /// Offset in the file.
+    pub offset: u64,
+    pub dev: u64,
+    pub inode: u64,
+    /// What follows the inode for mappings of no file (`[heap]`, `[stack]`, a name given
+    /// with `PR_SET_VMA`; empty for most). Not filled for files.
+    pub anonymous_name: String,
+}
+
+fn vma_of_line(line: &str) -> Option<Vma> {
+    let mut f = line.split_ascii_whitespace();
+    let (range, perms, offset, dev, inode) =
+        (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+    let (start, end) = range.split_once('-')?;
+    let (major, minor) = dev.split_once(':')?;
+    let inode: u64 = inode.parse().ok()?;
+    let perms = perms.as_bytes();
+    Some(Vma {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        read: perms.first() == Some(&b'r'),
+        write: perms.get(1) == Some(&b'w'),
+        shared: perms.get(3) == Some(&b's'),
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        dev: libc::makedev(
+            u32::from_str_radix(major, 16).ok()?,
+            u32::from_str_radix(minor, 16).ok()?,
+        ),
+        inode,
+        anonymous_name: if inode == 0 {
+            f.next().unwrap_or("").to_string()
+        } else {
+            String::new()
+        },
+    })
+}
+
+/// The mappings of `maps` (`/proc/<pid>/maps` text) that overlap `[start, end)`.
+pub fn vmas_of_text(maps: &str, start: u64, end: u64) -> Vec<Vma> {
+    maps.lines()
+        .filter_map(vma_of_line)
+        .filter(|v| v.end > start && v.start < end)
+        .collect()
+}
+
+/// Every mapping of this process, from one read of `/proc/self/maps` (cheaper than a query
+/// per mapping when many are asked about).
+pub fn all_vmas() -> std::io::Result<Vec<Vma>> {
+    Ok(vmas_of_text(
+        &std::fs::read_to_string("/proc/self/maps")?,
+        0,
+        u64::MAX,
+    ))
+}
+
+/// The mappings of this process that overlap `[start, end)`, in address order: by
+/// PROCMAP_QUERY where the kernel has it (the text costs the kernel a path lookup per file
+/// mapping, hundreds with UCX loaded: ~100 µs, on every registration the direct path
+/// publishes), else from the text.
+pub fn vmas_overlapping(start: u64, end: u64) -> std::io::Result<Vec<Vma>> {
+    if let Some(Ok(found)) = with_query_file(|file| vmas_by_query(file, start, end)) {
+        return Ok(found);
     }
-    let file = slot.as_ref()?.1.as_ref()?;
-    let mut covered = addr;
-    while covered < end {
-        let (_, vma_end, flags) = match query(file, covered) {
-            Ok(Some(m)) => m,
-            Ok(None) => return Some(Err(Unusable::Unmapped)),
-            Err(()) => return None,
+    Ok(vmas_of_text(
+        &std::fs::read_to_string("/proc/self/maps")?,
+        start,
+        end,
+    ))
+}
+
+fn vmas_by_query(file: &std::fs::File, start: u64, end: u64) -> Result<Vec<Vma>, ()> {
+    let mut out = Vec::new();
+    let mut at = start;
+    while at < end {
+        let Some(q) = query(file, at, COVERING_OR_NEXT)? else {
+            break;
         };
-        if flags & VMA_READABLE == 0 {
-            return Some(Err(Unusable::NotReadable));
+        if q.vma_start >= end {
+            break;
         }
-        if write && flags & VMA_WRITABLE == 0 {
-            return Some(Err(Unusable::NotWritable));
+        let mut vma = Vma {
+            start: q.vma_start,
+            end: q.vma_end,
+            read: q.vma_flags & VMA_READABLE != 0,
+            write: q.vma_flags & VMA_WRITABLE != 0,
+            shared: q.vma_flags & VMA_SHARED != 0,
+            offset: q.vma_offset,
+            dev: libc::makedev(q.dev_major, q.dev_minor),
+            inode: q.inode,
+            anonymous_name: String::new(),
+        };
+        if vma.inode == 0 {
+            vma.anonymous_name = anonymous_name(file, vma.start)?;
         }
-        covered = vma_end;
+        at = vma.end;
+        out.push(vma);
     }
-    Some(Ok(()))
+    Ok(out)
+}
+
+/// The name the maps show for the mapping of no file at `addr` (`[heap]`, ...).
+fn anonymous_name(file: &std::fs::File, addr: u64) -> Result<String, ()> {
+    use std::os::fd::AsRawFd;
+    let mut name = [0u8; 256];
+    let mut q = ProcmapQuery {
+        size: size_of::<ProcmapQuery>() as u64,
+        query_addr: addr,
+        vma_name_size: name.len() as u32,
+        vma_name_addr: name.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    // SAFETY: as in `query`, and the kernel writes at most `vma_name_size` bytes (the name
+    // and its NUL) to `name`, which is that large and outlives the call.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+    if rc != 0 {
+        return Err(());
+    }
+    let len = (q.vma_name_size as usize).saturating_sub(1).min(name.len());
+    Ok(String::from_utf8_lossy(&name[..len]).into_owned())
 }
 
 /// Checks the range against this process's mappings now: by PROCMAP_QUERY where the kernel
@@ -274,6 +420,49 @@ mod tests {
                 "{addr:#x}+{len} write {write}"
             );
         }
+    }
+
+    /// Both ways of listing the mappings over a range agree, over ranges of every kind this
+    /// process has (its code, heap, a thread's stack, anonymous and file mappings, gaps), on
+    /// a kernel that answers the query; elsewhere only the text is there to read.
+    #[test]
+    fn the_query_and_the_text_list_the_same_mappings() {
+        let heap = Box::new([0u8; 64]);
+        let stack = 0u64;
+        let text = std::fs::read_to_string("/proc/self/maps").unwrap();
+        // The vsyscall page is no mapping of the process (the kernel lists it, the query
+        // does not know it).
+        let all: Vec<Vma> = vmas_of_text(&text, 0, u64::MAX)
+            .into_iter()
+            .filter(|v| v.anonymous_name != "[vsyscall]")
+            .collect();
+        assert!(all.len() > 3);
+        let code = parses_lines as *const () as u64;
+        let here = &stack as *const u64 as u64;
+        let probes = [
+            (all[0].start, all.last().unwrap().end),
+            (code, code + 1),
+            (heap.as_ptr() as u64, heap.as_ptr() as u64 + 64),
+            (here, here + 8),
+            (all[1].start.saturating_sub(1), all[2].end + 1),
+            (0, 4096),
+        ];
+        let answered = with_query_file(|_| ()).is_some();
+        for (start, end) in probes {
+            let found = vmas_overlapping(start, end).unwrap();
+            // Mappings may change between two reads (other tests' threads): the answer must
+            // agree with the text read before or after it.
+            let after = std::fs::read_to_string("/proc/self/maps").unwrap();
+            assert!(
+                found == vmas_of_text(&after, start, end)
+                    || found == vmas_of_text(&text, start, end),
+                "[{start:#x}, {end:#x}) (query answered: {answered}): {found:#?}"
+            );
+        }
+        assert_eq!(vmas_overlapping(0, 4096).unwrap(), vec![]);
+        let stack_vma = vmas_overlapping(here, here + 8).unwrap();
+        assert_eq!(stack_vma.len(), 1);
+        assert!(stack_vma[0].read && stack_vma[0].write && !stack_vma[0].shared);
     }
 
     #[test]
