@@ -195,6 +195,15 @@ fn direct_publishable(access: u32, region: &AppRegion) -> bool {
 }
 
 impl Registration {
+    /// The rkey under which same-host peers find this registration in the direct path's
+    /// table, if it is published there.
+    fn published_as(&self) -> Option<u32> {
+        let published = self.slot.is_some()
+            && direct_publishable(self.access, &self.region)
+            && Engine::local_memory().is_some();
+        published.then_some(self.rkey)
+    }
+
     /// A registration with the given keys, published for the direct path when it grants
     /// remote access to pinned memory (on-demand memory stays on the message path, where the
     /// responder checks each access against the mappings).
@@ -587,6 +596,8 @@ struct CachedKey {
     access: u32,
     iova: u64,
     region: RegionExtent,
+    /// The rkey under which the region is published for same-host peers, if it is.
+    published_as: Option<u32>,
 }
 
 impl KeyCache {
@@ -611,6 +622,7 @@ impl KeyCache {
                 access: mr.access,
                 iova: mr.iova,
                 region: mr.region.extent(),
+                published_as: mr.published_as(),
             }
         });
     }
@@ -666,28 +678,21 @@ fn pinned_receive_sge(
 /// (`engine/direct.rs`): its one SGE, when that names live pinned memory of `pd` granting
 /// local writing in a region published for the direct path (the peer checks the published
 /// region again before it writes). None: such SENDs go through UCX.
-pub fn in_place_target(pd: &Arc<ProtectionDomain>, sges: &[Sge]) -> Option<InPlace> {
+pub fn in_place_target(
+    pd: &Arc<ProtectionDomain>,
+    sges: &[Sge],
+    cache: &mut KeyCache,
+) -> Option<InPlace> {
     let [sge] = sges else {
         return None;
     };
     if (sge.length as usize) <= SEND_MAX {
         return None;
     }
-    let reg = BY_LKEY.get(&sge.lkey).map(|r| Arc::clone(&r))?;
-    let offset = sge.addr.checked_sub(reg.iova)?;
-    let published = reg.slot.is_some()
-        && direct_publishable(reg.access, &reg.region)
-        && Engine::local_memory().is_some();
-    let fits = offset
-        .checked_add(u64::from(sge.length))
-        .is_some_and(|end| end <= reg.region.len());
-    (published
-        && fits
-        && Arc::ptr_eq(&reg.pd, pd)
-        && reg.access & ACCESS_LOCAL_WRITE != 0
-        && reg.region.is_live())
-    .then_some(InPlace {
-        rkey: reg.rkey,
+    pinned_receive_sge(pd, sge, cache)?;
+    let rkey = cache.by_lkey(sge.lkey)?.published_as?;
+    Some(InPlace {
+        rkey,
         len: sge.length,
         addr: sge.addr,
     })

@@ -115,7 +115,7 @@ impl QueuePair {
     fn offer_receive(&self, ring: &OwnReceiveRing, q: &mut Queues, wr: &RecvRequest) {
         let direct = receive_sges_pinned(&self.pd, &wr.sges, &mut q.recv_keys);
         let in_place = if direct && wr.room() > SEND_MAX as u64 {
-            in_place_target(&self.pd, &wr.sges)
+            in_place_target(&self.pd, &wr.sges, &mut q.recv_keys)
         } else {
             None
         };
