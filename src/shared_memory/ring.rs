@@ -325,14 +325,15 @@ impl ReceiveRing {
     /// messages).
     pub fn post(&self, index: u64, room: u32, direct: bool, in_place: Option<InPlace>) {
         let target = self.in_place_slot(index);
-        let at = in_place.filter(|_| direct).unwrap_or(InPlace {
-            rkey: 0,
-            len: 0,
-            addr: 0,
-        });
-        target.rkey.store(at.rkey, Ordering::Relaxed);
-        target.len.store(at.len, Ordering::Relaxed);
-        target.addr.store(at.addr, Ordering::Relaxed);
+        match in_place.filter(|_| direct) {
+            Some(at) => {
+                target.rkey.store(at.rkey, Ordering::Relaxed);
+                target.len.store(at.len, Ordering::Relaxed);
+                target.addr.store(at.addr, Ordering::Relaxed);
+            }
+            // Length 0 says nowhere; the rest is not read then.
+            None => target.len.store(0, Ordering::Relaxed),
+        }
         let slot = self.posted_slot(index);
         slot.room.store(room, Ordering::Relaxed);
         slot.posted_as
@@ -626,6 +627,42 @@ mod tests {
         assert_eq!(small.posted_room_ahead(0, 0, &mut ahead), Some(20));
         assert_eq!((ahead.first, ahead.count), (0, 2));
         assert_eq!(small.posted_room_ahead(2, 0, &mut ahead), None);
+    }
+
+    #[test]
+    fn a_peer_sees_where_to_write_in_place_only_for_wrs_posted_so() {
+        let own = ReceiveRing::create(2).unwrap();
+        let peer = ReceiveRing::open_peer(std::process::id() as i32, own.fd(), own.ino()).unwrap();
+        let at = InPlace {
+            rkey: 0x1234,
+            len: 4096,
+            addr: 0x7000_0000,
+        };
+        assert_eq!(peer.in_place(0), None, "not posted");
+        own.post(0, 256, true, Some(at));
+        assert_eq!(peer.in_place(0), Some(at));
+        assert_eq!(peer.in_place(2), None, "the same slot stands for WR 0 only");
+        own.post(1, 256, false, Some(at));
+        assert_eq!(peer.in_place(1), None, "a WR for messages only");
+        // Slot 0 again, for WR 2: posted without a place, the last one's is gone.
+        own.post(2, 64, true, None);
+        assert_eq!(peer.in_place(2), None);
+        own.post(3, 256, true, Some(at));
+        own.refuse(3);
+        assert_eq!(peer.in_place(3), None, "refused");
+        // A message written in place: the entry says so and holds no bytes to read.
+        assert!(peer.take(0));
+        let message = Placed {
+            byte_len: 3000,
+            imm_data: Some(7),
+            psn: 9,
+            ack: None,
+            in_place: true,
+        };
+        peer.fill(0, &[], &message).unwrap();
+        let mut out = [0xaau8; 8];
+        assert_eq!(own.read_filled(0, &mut out), Some(message));
+        assert_eq!(out, [0xaa; 8], "nothing copied out of the entry");
     }
 
     #[test]
