@@ -20,9 +20,9 @@
 //! the lock: once a withdrawal returns, nothing more lands.
 
 use super::Engine;
-pub use crate::shared_memory::{AtomicOp, InPlace, Placed, PostedAhead, ReceiveRing};
+pub use crate::shared_memory::{AtomicOp, InPlace, MR_SLOTS, Placed, PostedAhead, ReceiveRing};
 use crate::shared_memory::{
-    Backing, ENTRY_DATA, MAX_ENTRIES, MR_SLOTS, PeerBacking, PeerTable, QP_SLOTS, QpSlot, Table,
+    Backing, ENTRY_DATA, MAX_ENTRIES, PeerBacking, PeerTable, QP_SLOTS, QpSlot, Table,
     read_process, write_process,
 };
 use crate::ucp::{AppSpan, total_len};
@@ -185,11 +185,17 @@ impl LocalMemory {
 
     /// A free MR slot: its index becomes the low bits of the region's rkey.
     pub fn allocate_region_slot(&self) -> Option<u16> {
-        self.mr_slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .free
-            .pop()
+        self.allocate_region_slot_leaving(0)
+    }
+
+    /// A free MR slot, if more than `reserve` are free (what regions of lesser use must leave
+    /// to the others).
+    pub fn allocate_region_slot_leaving(&self, reserve: usize) -> Option<u16> {
+        let mut slots = self.mr_slots.lock().unwrap_or_else(|p| p.into_inner());
+        if slots.free.len() <= reserve {
+            return None;
+        }
+        slots.free.pop()
     }
 
     pub fn free_region_slot(&self, slot: u16) {
@@ -1162,6 +1168,24 @@ mod tests {
         );
         memory.withdraw_region(region);
         memory.free_region_slot(slot);
+    }
+
+    #[test]
+    fn region_slots_can_be_taken_leaving_some_to_others() {
+        let memory = LocalMemory::new(1).unwrap();
+        let reserve = MR_SLOTS / 4;
+        let taken: Vec<u16> =
+            std::iter::from_fn(|| memory.allocate_region_slot_leaving(reserve)).collect();
+        assert_eq!(taken.len(), MR_SLOTS - reserve);
+        let rest: Vec<u16> = std::iter::from_fn(|| memory.allocate_region_slot()).collect();
+        assert_eq!(
+            rest.len(),
+            reserve,
+            "the reserved ones go to who may take them"
+        );
+        memory.free_region_slot(taken[0]);
+        assert_eq!(memory.allocate_region_slot_leaving(reserve), None);
+        assert_eq!(memory.allocate_region_slot(), Some(taken[0]));
     }
 
     #[test]

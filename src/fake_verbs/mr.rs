@@ -175,15 +175,22 @@ fn check_host_registration(region: &AppRegion, iova: u64, access: u32) -> Result
     Ok(())
 }
 
-/// A direct-access slot for a registration that grants remote access to pinned memory
-/// (on-demand memory stays on the message path, where the responder checks each access
-/// against the mappings), and the rkey naming it; None when the path is off or full, or the
-/// region is empty (a zero-length device-memory MR has nothing to publish).
+/// A direct-access slot for a registration that grants remote access or local writing to
+/// pinned memory (on-demand memory stays on the message path, where the responder checks each
+/// access against the mappings), and the rkey naming it; None when the path is off or full,
+/// or the region is empty (a zero-length device-memory MR has nothing to publish). Regions of
+/// local writing only (receive buffers, for SENDs written in place) leave the last quarter of
+/// the slots to regions of remote access, whose WRITEs, READs and atomics need theirs more.
 fn direct_slot(access: u32, region: &AppRegion) -> Option<(u16, u32)> {
     if !direct_publishable(access, region) || region.is_empty() {
         return None;
     }
-    let slot = Engine::local_memory()?.allocate_region_slot()?;
+    let reserve = if access & ACCESS_REMOTE == 0 {
+        crate::engine::direct::MR_SLOTS / 4
+    } else {
+        0
+    };
+    let slot = Engine::local_memory()?.allocate_region_slot_leaving(reserve)?;
     Some((slot, unused_key(&BY_RKEY, Some(slot))))
 }
 
