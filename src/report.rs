@@ -50,10 +50,10 @@ pub fn describe(engine: &Engine) -> String {
         match (&engine.memory, crate::engine::direct::self_check()) {
             (Some(_), Ok(())) => format!(
                 "on: RDMA WRITE/READ and atomics to same-host peers of this user are \
-                 done by the requester, and RC SENDs placed in the peer's posted receive WR \
-                 (up to {} bytes in its receive ring, larger ones written in place into a WR \
-                 of one SGE) (peers must be dumpable or the requester must have \
-                 CAP_SYS_PTRACE; otherwise messages); {}",
+                 done by the requester, and RC SENDs and WRITE_WITH_IMMs placed in the \
+                 peer's posted receive WR (SENDs of up to {} bytes in its receive ring, \
+                 larger ones written in place into a WR of one SGE) (peers must be dumpable \
+                 or the requester must have CAP_SYS_PTRACE; otherwise messages); {}",
                 crate::engine::direct::SEND_MAX,
                 crate::engine::direct::part_pages_note()
             ),

@@ -176,9 +176,10 @@ fn an_event_for_completions_polled_since_a_rearming_over_completions_is_not_hand
 }
 
 /// The most SENDs the debug log of `out` says were placed in a peer's receive ring (0: none),
-/// and the most of them it says were written in place into the receive WR's buffer.
-fn sends_placed(out: &std::process::Output) -> (u64, u64) {
-    let counts: Vec<(u64, u64)> = String::from_utf8_lossy(&out.stderr)
+/// the most of them it says were written in place into the receive WR's buffer, and the most
+/// RDMA WRITEs with immediate data it says were placed.
+fn sends_placed(out: &std::process::Output) -> (u64, u64, u64) {
+    let counts: Vec<(u64, u64, u64)> = String::from_utf8_lossy(&out.stderr)
         .lines()
         .filter_map(|l| {
             let (placed, rest) = l
@@ -187,13 +188,20 @@ fn sends_placed(out: &std::process::Output) -> (u64, u64) {
                 .split_once(": ")?
                 .1
                 .split_once(" sends placed, ")?;
-            let (in_place, _) = rest.split_once(" of them written in place")?;
-            Some((placed.parse().ok()?, in_place.parse().ok()?))
+            let (in_place, rest) = rest.split_once(" of them written in place")?;
+            let (_, rest) = rest.split_once(" writes, ")?;
+            let (with_imm, _) = rest.split_once(" of them with immediate data")?;
+            Some((
+                placed.parse().ok()?,
+                in_place.parse().ok()?,
+                with_imm.parse().ok()?,
+            ))
         })
         .collect();
     (
         counts.iter().map(|c| c.0).max().unwrap_or(0),
         counts.iter().map(|c| c.1).max().unwrap_or(0),
+        counts.iter().map(|c| c.2).max().unwrap_or(0),
     )
 }
 
@@ -216,9 +224,13 @@ fn sends_placed(out: &std::process::Output) -> (u64, u64) {
 /// REM_INV_REQ_ERR), the WR's buffer untouched; and that an MR deregistered in the middle of
 /// a stream of 16 KiB SENDs written in place into its receive WRs takes no byte once
 /// `ibv_dereg_mr` returned (earlier receives complete with their data, then one LOC_PROT_ERR
-/// and flushes; REM_OP_ERR at the sender).
-/// Run with the path on, where the debug log must count placed SENDs and SENDs written in
-/// place, and off, where it must count none; the program's checks are the same.
+/// and flushes; REM_OP_ERR at the sender); and that RDMA WRITE_WITH_IMM of 8 bytes to 1 MiB
+/// lands at its address and completes the next receive WR (RECV_RDMA_WITH_IMM, its length and
+/// immediate data, the WR's buffer untouched), while one whose key grants no remote writing
+/// gets the responder's outcome (REM_ACCESS_ERR at both ends, the receiver's QP to ERR).
+/// Run with the path on, where the debug log must count placed SENDs, SENDs written in place
+/// and placed WRITEs with immediate data, and off, where it must count none; the program's
+/// checks are the same.
 #[test]
 fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_outcomes() {
     let exe = build_c("direct_send", &["-libverbs"]);
@@ -237,8 +249,15 @@ fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_
             "{what}: no ok line\n{}",
             text(&out)
         );
-        let (placed, in_place) = sends_placed(&out);
+        let (placed, in_place, writes_with_imm) = sends_placed(&out);
         if direct == "on" {
+            // The four of `write_imm` that may succeed (the receiver keeps its WRs posted
+            // before the sender starts): the log counts at powers of two.
+            assert!(
+                writes_with_imm >= 4,
+                "{what}: {writes_with_imm} WRITEs with immediate data placed\n{}",
+                tail_of(&out)
+            );
             // The five of `inplace` and most of `race` (its receiver keeps 32 WRs posted
             // ahead of 300 SENDs) and of the stream's ~1,800 of 700 bytes; one that never
             // wrote in place counts 0.
@@ -260,8 +279,8 @@ fn small_sends_on_one_host_are_placed_in_posted_receives_with_the_message_paths_
             );
         } else {
             assert_eq!(
-                (placed, in_place),
-                (0, 0),
+                (placed, in_place, writes_with_imm),
+                (0, 0, 0),
                 "{what}: SENDs placed with the path off"
             );
         }

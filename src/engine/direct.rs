@@ -20,7 +20,9 @@
 //! the lock: once a withdrawal returns, nothing more lands.
 
 use super::Engine;
-pub use crate::shared_memory::{AtomicOp, InPlace, MR_SLOTS, Placed, PostedAhead, ReceiveRing};
+pub use crate::shared_memory::{
+    AtomicOp, InPlace, MR_SLOTS, Placed, PlacedBody, PostedAhead, ReceiveRing,
+};
 use crate::shared_memory::{
     Backing, ENTRY_DATA, MAX_ENTRIES, PeerBacking, PeerTable, QP_SLOTS, QpSlot, Table,
     read_process, write_process,
@@ -89,7 +91,9 @@ pub struct DirectCounters {
     pub sends: AtomicU64,
     pub sends_in_place: AtomicU64,
     pub sends_as_messages: AtomicU64,
+    /// RDMA WRITEs done directly (of them, those with immediate data, placed in the ring).
     pub writes: AtomicU64,
+    pub writes_with_imm: AtomicU64,
     pub reads: AtomicU64,
     pub atomics: AtomicU64,
     pub fallbacks: AtomicU64,
@@ -100,6 +104,7 @@ pub static COUNTERS: DirectCounters = DirectCounters {
     sends_in_place: AtomicU64::new(0),
     sends_as_messages: AtomicU64::new(0),
     writes: AtomicU64::new(0),
+    writes_with_imm: AtomicU64::new(0),
     reads: AtomicU64::new(0),
     atomics: AtomicU64::new(0),
     fallbacks: AtomicU64::new(0),
@@ -469,7 +474,7 @@ pub const SEND_MAX: usize = ENTRY_DATA;
 
 /// A SEND to place in a peer's receive ring ([`PeerMemory::send`]).
 pub struct SendToRing<'a> {
-    /// Its bytes (at most [`SEND_MAX`]).
+    /// Its bytes.
     pub spans: &'a [AppSpan],
     pub imm_data: Option<u32>,
     pub psn: u32,
@@ -479,6 +484,9 @@ pub struct SendToRing<'a> {
     pub from: (u16, u32),
     /// The peer's QP.
     pub dst_qpn: u32,
+    /// An RDMA WRITE with immediate data instead of a SEND: its rkey and remote address (its
+    /// bytes go there, checked as a direct WRITE; the receive WR takes its completion).
+    pub rdma_write: Option<(u32, u64)>,
 }
 
 /// Receive rings in this process, and the most it makes.
@@ -855,13 +863,22 @@ impl PeerMemory {
     /// keeps of the peer's ring (mapped here, and the WRs it saw posted there).
     pub fn send(&self, ring: &mut PeerRing, send: &SendToRing<'_>) -> Result<(), Refused> {
         let result = self.holding_slot(send.dst_qpn, || self.send_locked(ring, send));
-        self.count(match result {
-            Ok(()) => &COUNTERS.sends,
-            Err(_) => &COUNTERS.sends_as_messages,
-        });
-        if result.is_ok() && total_len(send.spans) > SEND_MAX {
-            let n = COUNTERS.sends_in_place.load(Ordering::Relaxed) + 1;
-            COUNTERS.sends_in_place.store(n, Ordering::Relaxed);
+        let also = |counter: &AtomicU64| {
+            counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        };
+        match (&result, send.rdma_write) {
+            (Ok(()), Some(_)) => {
+                also(&COUNTERS.writes_with_imm);
+                self.count(&COUNTERS.writes);
+            }
+            (Err(_), Some(_)) => self.count(&COUNTERS.fallbacks),
+            (Ok(()), None) => {
+                if total_len(send.spans) > SEND_MAX {
+                    also(&COUNTERS.sends_in_place);
+                }
+                self.count(&COUNTERS.sends);
+            }
+            (Err(_), None) => self.count(&COUNTERS.sends_as_messages),
         }
         result
     }
@@ -877,6 +894,7 @@ impl PeerMemory {
             ack,
             from: (my_lid, my_qpn),
             dst_qpn,
+            rdma_write,
         }: &SendToRing<'_>,
     ) -> Result<(), Refused> {
         let publication = self.connected_ring(cache, dst_qpn, (my_lid, my_qpn))?;
@@ -889,17 +907,26 @@ impl PeerMemory {
         // that line would move between the two processes' caches on every post and SEND),
         // and what was read of it stays known until the owner withdraws its QP.
         let index = ring.taken();
+        let byte_len = u32::try_from(len).map_err(|_| Refused::NoReceive)?;
+        let message = |body| Placed {
+            byte_len,
+            imm_data,
+            psn,
+            ack,
+            body,
+        };
+        if let Some(to) = rdma_write {
+            // A receive WR must be posted: it takes the completion (not the bytes).
+            ring.posted_room_ahead(index, publication, &mut cache.posted)
+                .ok_or(Refused::NoReceive)?;
+            let placed = message(PlacedBody::RdmaWrite);
+            return self.write_with_imm(ring, index, dst_qpn, spans, to, placed);
+        }
         if len > SEND_MAX {
             // The peer QP's PD, from the slot `connected_ring` found published.
             let pd = self.table.qp(qp_slot(dst_qpn)).pd.load(Ordering::Relaxed);
-            let message = Placed {
-                byte_len: u32::try_from(len).map_err(|_| Refused::NoReceive)?,
-                imm_data,
-                psn,
-                ack,
-                in_place: true,
-            };
-            return self.send_in_place(ring, index, pd, spans, message);
+            let placed = message(PlacedBody::InPlace);
+            return self.send_in_place(ring, index, pd, spans, placed);
         }
         let room = ring
             .posted_room_ahead(index, publication, &mut cache.posted)
@@ -912,14 +939,7 @@ impl PeerMemory {
         }
         // Taken: it is placed now (the length was checked, so the copy cannot fail). Only
         // this QP places in the ring, so the next PSN may follow the fill.
-        let message = Placed {
-            byte_len: len as u32,
-            imm_data,
-            psn,
-            ack,
-            in_place: false,
-        };
-        ring.fill(index, spans, &message)
+        ring.fill(index, spans, &message(PlacedBody::Entry))
             .map_err(|_| Refused::NotPublished)?;
         ring.set_expected_psn(super::wire::psn_add(psn, 1));
         Ok(())
@@ -928,8 +948,8 @@ impl PeerMemory {
     /// A SEND larger than a ring entry, into the `index`-th receive WR of `ring` (whose QP
     /// belongs to PD `pd`): written straight into the WR's buffer where the owner said it
     /// lies, after the same checks as a direct WRITE into it (the owner's region there is
-    /// published, of the QP's PD, grants local writing and holds the bytes, in a backing
-    /// mapped here), then the entry says it is in place.
+    /// published, of the QP's PD, grants local writing and holds the bytes), then the entry
+    /// says it is in place.
     fn send_in_place(
         &self,
         ring: &ReceiveRing,
@@ -943,22 +963,64 @@ impl PeerMemory {
         if len > at.len {
             return Err(Refused::NoReceive);
         }
-        let RegionTarget::Mapped(backing, offset) =
-            self.region_target(pd, at.rkey, at.addr, u64::from(len), LOCAL_WRITE)?
-        else {
-            // Not on a backing: a copy by the kernel could fail halfway, with the WR taken.
-            return Err(Refused::Unreachable);
-        };
-        if !backing.holds(offset, len as usize) {
+        let target = self.region_target(pd, at.rkey, at.addr, u64::from(len), LOCAL_WRITE)?;
+        self.write_then_fill(ring, index, target, spans, &message)
+    }
+
+    /// An RDMA WRITE with immediate data into the peer's QP `dst_qpn`, whose `index`-th receive
+    /// WR of `ring` takes its completion: checked as a direct WRITE (the QP grants remote
+    /// writing; the region `rkey` is published, of the QP's PD, grants it and holds the bytes
+    /// at `addr`), the bytes written there, then the entry filled.
+    fn write_with_imm(
+        &self,
+        ring: &ReceiveRing,
+        index: u64,
+        dst_qpn: u32,
+        spans: &[AppSpan],
+        (rkey, addr): (u32, u64),
+        message: Placed,
+    ) -> Result<(), Refused> {
+        let qp = self.table.qp(qp_slot(dst_qpn));
+        if qp.access.load(Ordering::Relaxed) & REMOTE_WRITE == 0 {
             return Err(Refused::NotPublished);
+        }
+        let pd = qp.pd.load(Ordering::Relaxed);
+        let target =
+            self.region_target(pd, rkey, addr, u64::from(message.byte_len), REMOTE_WRITE)?;
+        self.write_then_fill(ring, index, target, spans, &message)
+    }
+
+    /// Writes `spans` to `target` (checked by the caller), then takes the `index`-th receive WR
+    /// of `ring` and fills its entry with `message`. The bytes go first, before the WR is
+    /// taken: a copy by the kernel may fail halfway (the peer unmapped the memory), and then
+    /// the WR is still there for the message path, whose responder gives the outcome (an
+    /// error leaves the target's bytes undefined, as a HCA's). Nobody else takes that WR
+    /// meanwhile: the PSN check said every request before this one was delivered, and only
+    /// this QP places in the ring; should the take fail all the same, the message path writes
+    /// the same bytes again.
+    fn write_then_fill(
+        &self,
+        ring: &ReceiveRing,
+        index: u64,
+        target: RegionTarget,
+        spans: &[AppSpan],
+        message: &Placed,
+    ) -> Result<(), Refused> {
+        match target {
+            RegionTarget::Mapped(backing, offset) => {
+                backing.write(offset, spans).map_err(|e| {
+                    tracing::debug!("direct access to pid {}: {e}", self.pid);
+                    Refused::Unreachable
+                })?;
+            }
+            RegionTarget::Process(addr) => {
+                self.access_process(DirectAccess::Write, spans, addr)?;
+            }
         }
         if !ring.take(index) {
             return Err(Refused::Busy);
         }
-        // Taken: the bytes go in now (the range was checked, so the copy cannot fail).
-        backing
-            .write(offset, spans)
-            .and_then(|()| ring.fill(index, spans, &message))
+        ring.fill(index, spans, message)
             .map_err(|_| Refused::NotPublished)?;
         ring.set_expected_psn(super::wire::psn_add(message.psn, 1));
         Ok(())
@@ -1044,12 +1106,14 @@ impl PeerMemory {
         // Observable with UGDR_LOG=debug, at a logarithmic cost.
         tracing::debug!(
             "direct path to pid {}: {} sends placed, {} of them written in place, {} sent as \
-             messages, {} writes, {} reads, {} atomics, {} fell back to messages",
+             messages, {} writes, {} of them with immediate data, {} reads, {} atomics, {} fell \
+             back to messages",
             self.pid,
             COUNTERS.sends.load(Ordering::Relaxed),
             COUNTERS.sends_in_place.load(Ordering::Relaxed),
             COUNTERS.sends_as_messages.load(Ordering::Relaxed),
             COUNTERS.writes.load(Ordering::Relaxed),
+            COUNTERS.writes_with_imm.load(Ordering::Relaxed),
             COUNTERS.reads.load(Ordering::Relaxed),
             COUNTERS.atomics.load(Ordering::Relaxed),
             COUNTERS.fallbacks.load(Ordering::Relaxed)
@@ -1101,7 +1165,7 @@ mod tests {
             imm_data: None,
             psn,
             ack: None,
-            in_place: false,
+            body: PlacedBody::Entry,
         };
         peer.fill(index, &[AppSpan::of_owned(bytes)], &message)
             .unwrap();
@@ -1238,7 +1302,7 @@ mod tests {
             imm_data: None,
             psn: 0,
             ack: None,
-            in_place: false,
+            body: PlacedBody::Entry,
         };
         peer.fill(index, &[AppSpan::of_owned(b"x")], &lying)
             .unwrap();

@@ -323,11 +323,6 @@ impl PeerBacking {
         }
     }
 
-    /// Whether `len` bytes at `offset` lie inside the peer's memory mapped here.
-    pub fn holds(&self, offset: u64, len: usize) -> bool {
-        self.check(offset, len).is_ok()
-    }
-
     /// Copies the bytes of `spans`, in order, to `offset` in the peer's memory.
     pub fn write(&self, offset: u64, spans: &[AppSpan]) -> io::Result<()> {
         let total = total_len(spans);

@@ -27,7 +27,7 @@ mod ring;
 mod table;
 
 pub use backing::{AtomicOp, Backing, PeerBacking};
-pub use ring::{ENTRY_DATA, InPlace, MAX_ENTRIES, Placed, PostedAhead, ReceiveRing};
+pub use ring::{ENTRY_DATA, InPlace, MAX_ENTRIES, Placed, PlacedBody, PostedAhead, ReceiveRing};
 pub use table::{MR_SLOTS, MrSlot, PeerTable, QP_SLOTS, QpSlot, Table};
 
 use std::io;

@@ -134,6 +134,21 @@ const FILLED_WITH_IMM: u32 = 1;
 const FILLED_WITH_ACK: u32 = 2;
 /// The placed message's bytes are in the receive WR's buffer (its in-place slot), not here.
 const FILLED_IN_PLACE: u32 = 4;
+/// The placed message is an RDMA WRITE with immediate data: its bytes went to the address it
+/// named, and the receive WR takes only its completion.
+const FILLED_RDMA_WRITE: u32 = 8;
+
+/// Where a placed message's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlacedBody {
+    /// In the ring entry (a SEND of up to [`ENTRY_DATA`] bytes).
+    Entry,
+    /// In the receive WR's buffer, written there by the peer ([`InPlace`]).
+    InPlace,
+    /// At the address an RDMA WRITE with immediate data named, written there by the peer:
+    /// the receive WR takes only the completion.
+    RdmaWrite,
+}
 
 /// A message placed in a receive WR's entry: its length, immediate data, PSN, and the ACK
 /// it carries of the owner's own requests (as a message's piggybacked ACK).
@@ -143,8 +158,7 @@ pub struct Placed {
     pub imm_data: Option<u32>,
     pub psn: u32,
     pub ack: Option<u32>,
-    /// The peer wrote the bytes into the receive WR's buffer ([`InPlace`]), not the entry.
-    pub in_place: bool,
+    pub body: PlacedBody,
 }
 
 const HEADER_SIZE: usize = 2 * 64;
@@ -438,11 +452,11 @@ impl ReceiveRing {
 
     /// Places a message in the `index`-th entry, which the caller took ([`ReceiveRing::take`]):
     /// the bytes of `spans` (at most [`ENTRY_DATA`], else EMSGSIZE and nothing is placed;
-    /// none for a message written in place, whose `spans` the caller already wrote into the
-    /// WR's buffer), then what describes them, then the mark that it is filled.
+    /// none for a message whose bytes are elsewhere, where the caller already wrote `spans`),
+    /// then what describes them, then the mark that it is filled.
     #[inline]
     pub fn fill(&self, index: u64, spans: &[AppSpan], message: &Placed) -> io::Result<()> {
-        if !message.in_place {
+        if message.body == PlacedBody::Entry {
             self.write_data(index, spans)?;
         }
         let entry = self.entry(index);
@@ -463,17 +477,21 @@ impl ReceiveRing {
         } else {
             0
         };
-        let in_place = if message.in_place { FILLED_IN_PLACE } else { 0 };
+        let body = match message.body {
+            PlacedBody::Entry => 0,
+            PlacedBody::InPlace => FILLED_IN_PLACE,
+            PlacedBody::RdmaWrite => FILLED_RDMA_WRITE,
+        };
         entry
             .flags
-            .store(with_imm | with_ack | in_place, Ordering::Relaxed);
+            .store(with_imm | with_ack | body, Ordering::Relaxed);
         entry.psn.store(message.psn, Ordering::Relaxed);
         entry.filled_as.store(index + 1, Ordering::Release);
         Ok(())
     }
 
     /// The message placed in the `index`-th entry, if it is filled, its bytes read into `out`
-    /// (at most `out.len()` of them; none when they were written in place). Every field is
+    /// (at most `out.len()` of them; none when they are elsewhere). Every field is
     /// the peer's word: the caller checks the length against the receive WR before using the
     /// bytes.
     pub fn read_filled(&self, index: u64, out: &mut [u8]) -> Option<Placed> {
@@ -489,9 +507,15 @@ impl ReceiveRing {
                 .then(|| entry.imm_data.load(Ordering::Relaxed)),
             psn: entry.psn.load(Ordering::Relaxed),
             ack: (flags & FILLED_WITH_ACK != 0).then(|| entry.ack_psn.load(Ordering::Relaxed)),
-            in_place: flags & FILLED_IN_PLACE != 0,
+            body: if flags & FILLED_RDMA_WRITE != 0 {
+                PlacedBody::RdmaWrite
+            } else if flags & FILLED_IN_PLACE != 0 {
+                PlacedBody::InPlace
+            } else {
+                PlacedBody::Entry
+            },
         };
-        if !placed.in_place {
+        if placed.body == PlacedBody::Entry {
             let n = (byte_len as usize).min(out.len());
             self.read_data(index, &mut out[..n]);
         }
@@ -657,12 +681,22 @@ mod tests {
             imm_data: Some(7),
             psn: 9,
             ack: None,
-            in_place: true,
+            body: PlacedBody::InPlace,
         };
         peer.fill(0, &[], &message).unwrap();
         let mut out = [0xaau8; 8];
         assert_eq!(own.read_filled(0, &mut out), Some(message));
         assert_eq!(out, [0xaa; 8], "nothing copied out of the entry");
+        // A WRITE with immediate data: the entry says so, and holds no bytes either.
+        own.post(4, 0, true, None);
+        assert!(peer.take(1) && peer.take(2) && peer.take(3) && peer.take(4));
+        let write = Placed {
+            body: PlacedBody::RdmaWrite,
+            ..message
+        };
+        peer.fill(4, &[], &write).unwrap();
+        assert_eq!(own.read_filled(4, &mut out), Some(write));
+        assert_eq!(out, [0xaa; 8]);
     }
 
     #[test]

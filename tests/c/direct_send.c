@@ -56,6 +56,11 @@
  *   race     16 KiB SENDs into WRs of a second MR, deregistered after 300 receives: earlier
  *            ones complete with their data, then one LOC_PROT_ERR and flushes, REM_OP_ERR at
  *            the sender, and no byte of that memory changes once ibv_dereg_mr returned.
+ *   write_imm  RDMA WRITE_WITH_IMM of 8 bytes to 1 MiB: the bytes at the target, the
+ *            receive WR's completion (RECV_RDMA_WITH_IMM, length, immediate data), its buffer
+ *            untouched; then one with a key that grants no remote writing: REM_ACCESS_ERR,
+ *            the receiver's QP to ERR (IBV_EVENT_QP_ACCESS_ERR), the WR it took completed
+ *            with REM_ACCESS_ERR, the next flushed.
  * Prints "direct_send: ok". Usage: direct_send */
 #include "verbs_test.h"
 #include <arpa/inet.h>
@@ -936,6 +941,103 @@ static void race_sender(void)
     close_side(&s);
 }
 
+/* ------------------------------------------------------------------------------ write_imm */
+
+/* RDMA WRITE_WITH_IMM to a same-host peer: its bytes land where it names (placed by the
+ * requester, checked as a direct WRITE), and the receiver's next receive WR takes its
+ * completion (RECV_RDMA_WITH_IMM, the WRITE's length and immediate data), its buffer
+ * untouched. Then one whose rkey grants no remote writing: REM_ACCESS_ERR at the sender, the
+ * receiver's QP to ERR with IBV_EVENT_QP_ACCESS_ERR, the receive WR it took completed with
+ * REM_ACCESS_ERR and the next one flushed. */
+static const uint32_t WIMM_LEN[] = { 8, 300, 4096, 1 << 20 };
+#define WIMMS 4
+
+static void write_imm_receiver(void)
+{
+    struct side s;
+    qp_access = IBV_ACCESS_REMOTE_WRITE;
+    open_side(&s);
+    qp_access = 0;
+    size_t size = 2 << 20;
+    char *target = aligned_alloc(4096, size);
+    CHECK(target, "target");
+    memset(target, 0, size);
+    struct ibv_mr *mr = ibv_reg_mr(s.pd, target, size,
+                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    CHECK(mr, "reg_mr for WRITE_WITH_IMM");
+    /* The target's key, and a key of memory registered for local writing only. */
+    uint64_t where[3] = { (uintptr_t)target, mr->rkey, s.mr->rkey };
+    put(where, sizeof where);
+    memset(s.buf, 0xee, 8 * SLOT);
+    for (uint32_t i = 0; i <= WIMMS + 1; i++)
+        post_recv_slot(&s, 500 + i, i, SLOT);
+    step('r');
+    struct ibv_wc wc;
+    for (uint32_t i = 0; i < WIMMS; i++) {
+        CHECK(poll_one(s.rcq, &wc) == 1, "write_imm: no receive completion %u", i);
+        CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 500 + i &&
+                  wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM && wc.byte_len == WIMM_LEN[i] &&
+                  wc.wc_flags == IBV_WC_WITH_IMM && ntohl(wc.imm_data) == 0x77000000 + i &&
+                  wc.qp_num == s.qp->qp_num && wc.src_qp == s.peer_qpn &&
+                  wc.slid == s.peer_lid,
+              "write_imm %u: %s wr_id %" PRIu64 " opcode %d len %u flags %u imm %#x", i,
+              ibv_wc_status_str(wc.status), wc.wr_id, wc.opcode, wc.byte_len, wc.wc_flags,
+              ntohl(wc.imm_data));
+        /* Its bytes are there when its completion is seen. */
+        check_bytes(target + (size_t)i * 8192, WIMM_LEN[i], 600 + i, "write_imm");
+    }
+    for (size_t k = 0; k < 8 * SLOT; k++)
+        CHECK((unsigned char)s.buf[k] == 0xee, "write_imm: byte %zu of a receive WR changed", k);
+    struct ibv_async_event ev;
+    CHECK(ibv_get_async_event(s.ctx, &ev) == 0, "async event");
+    CHECK(ev.event_type == IBV_EVENT_QP_ACCESS_ERR && ev.element.qp == s.qp,
+          "async event %d, wanted IBV_EVENT_QP_ACCESS_ERR on the QP", ev.event_type);
+    ibv_ack_async_event(&ev);
+    /* The refused WRITE took its receive WR (as rxe's responder fetches it before the key
+     * check): that one completes with the error, the next is flushed. */
+    expect_recv_status(&s, 500 + WIMMS, IBV_WC_REM_ACCESS_ERR);
+    expect_recv_status(&s, 501 + WIMMS, IBV_WC_WR_FLUSH_ERR);
+    expect_cq_empty(s.rcq, "write_imm");
+    step('d');
+    CHECK(ibv_dereg_mr(mr) == 0, "dereg_mr");
+    free(target);
+    close_side(&s);
+}
+
+static void write_imm_sender(void)
+{
+    struct side s;
+    open_side(&s);
+    uint64_t where[3];
+    get(where, sizeof where);
+    await_step('r');
+    for (uint32_t i = 0; i <= WIMMS; i++) {
+        uint32_t len = i < WIMMS ? WIMM_LEN[i] : 64;
+        size_t at = i < WIMMS ? (size_t)i * 8192 : 0;
+        char *src = s.buf + (size_t)(i % WIMMS) * (1 << 20);
+        fill(src, len, 600 + i);
+        struct ibv_sge sge = { .addr = (uintptr_t)src, .length = len, .lkey = s.mr->lkey };
+        struct ibv_send_wr wr = { .wr_id = 700 + i, .sg_list = &sge, .num_sge = 1,
+                                  .opcode = IBV_WR_RDMA_WRITE_WITH_IMM,
+                                  .send_flags = IBV_SEND_SIGNALED,
+                                  .imm_data = htonl(0x77000000 + i),
+                                  .wr.rdma = { .remote_addr = where[0] + at,
+                                               .rkey = (uint32_t)where[i < WIMMS ? 1 : 2] } },
+                           *bad;
+        CHECK(ibv_post_send(s.qp, &wr, &bad) == 0, "post WRITE_WITH_IMM %u", i);
+        struct ibv_wc wc;
+        CHECK(poll_one(s.scq, &wc) == 1, "write_imm: no send completion %u", i);
+        enum ibv_wc_status want = i < WIMMS ? IBV_WC_SUCCESS : IBV_WC_REM_ACCESS_ERR;
+        CHECK(wc.wr_id == 700 + i && wc.status == want && wc.qp_num == s.qp->qp_num &&
+                  (want != IBV_WC_SUCCESS || (wc.opcode == IBV_WC_RDMA_WRITE && wc.wc_flags == 0)),
+              "write_imm send %u: %s opcode %d (wanted %s)", i, ibv_wc_status_str(wc.status),
+              wc.opcode, ibv_wc_status_str(want));
+    }
+    expect_cq_empty(s.scq, "write_imm sender");
+    await_step('d');
+    close_side(&s);
+}
+
 /* ------------------------------------------------------------------------------ refused */
 
 static void refused_receiver(void)
@@ -1000,6 +1102,7 @@ int main(void)
         { arrived_receiver, arrived_sender }, { flush_receiver, flush_sender },
         { ack_receiver, ack_sender },         { refused_receiver, refused_sender },
         { inplace_receiver, inplace_sender }, { race_receiver, race_sender },
+        { write_imm_receiver, write_imm_sender },
     };
     CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");
     pid_t child = fork();

@@ -15,7 +15,7 @@ use super::super::work::{RecvRequest, WcStatus};
 use super::QueuePair;
 use super::queues::Queues;
 use crate::engine::Engine;
-use crate::engine::direct::{self, OwnReceiveRing, SEND_MAX};
+use crate::engine::direct::{self, OwnReceiveRing, PlacedBody, SEND_MAX};
 use crate::engine::wire::{self, Header, Op};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -159,17 +159,28 @@ impl QueuePair {
             q.expected_seq = wire::psn_add(placed.psn, 1);
             q.last_delivered = placed.psn;
             let (src_qpn, src_lid) = q.peer.as_ref().map_or((0, 0), |p| (p.qpn, p.lid));
-            let mut h = Header::new(Op::Send, self.qp_num, src_qpn, src_lid, 0);
+            // A WRITE with immediate data completes as one (RECV_RDMA_WITH_IMM).
+            let op = if placed.body == PlacedBody::RdmaWrite {
+                Op::Write
+            } else {
+                Op::Send
+            };
+            let mut h = Header::new(op, self.qp_num, src_qpn, src_lid, 0);
             if let Some(imm) = placed.imm_data {
                 h.flags |= wire::FLAG_IMM;
                 h.imm_data = imm;
             }
             let len = placed.byte_len as usize;
-            let landed = if len as u64 > wr.room() || (len > SEND_MAX && !placed.in_place) {
+            let landed = if placed.body == PlacedBody::RdmaWrite {
+                // An RDMA WRITE with immediate data: its bytes went where it named (checked
+                // by the peer as a direct WRITE); the WR takes only the completion.
+                Ok(())
+            } else if len as u64 > wr.room() || (len > SEND_MAX && placed.body == PlacedBody::Entry)
+            {
                 // The peer checked the room it read in the ring; one that wrote more than the
                 // WR holds broke the protocol: nothing lands.
                 Err(WcStatus::LocLenErr)
-            } else if placed.in_place {
+            } else if placed.body == PlacedBody::InPlace {
                 // Written into the WR's one SGE by the peer, through the region's published
                 // slot: while it was registered (deregistration completes placed WRs first).
                 Ok(())

@@ -642,7 +642,7 @@ impl QueuePair {
         op: Op,
         length: u64,
     ) -> Option<Option<DataMessage>> {
-        if op == Op::Send {
+        if op == Op::Send || req.opcode == SendOpcode::RdmaWriteWithImm {
             return self.try_direct_send(q, req, length);
         }
         let kind = match (op, req.opcode) {
@@ -771,9 +771,10 @@ impl QueuePair {
         self.release_send_completions(q);
     }
 
-    /// The same-host SEND path (docs/design.md): an RC SEND (or SEND_WITH_IMM) of at most
-    /// [`direct::SEND_MAX`] bytes to a peer whose receive ring is mapped here is placed in its
-    /// next receive WR now, and completes now. The ring takes it only as the PSN after the
+    /// The same-host SEND path (docs/design.md): an RC SEND (or SEND_WITH_IMM, or RDMA
+    /// WRITE_WITH_IMM) to a peer whose receive ring is mapped here is placed in its next
+    /// receive WR now (up to [`direct::SEND_MAX`] bytes in the ring, larger ones written in
+    /// place; a WRITE's bytes at the address it names), and completes now. The ring takes it only as the PSN after the
     /// last request the responder delivered, so nothing posted earlier is still on its way
     /// (the responder executed all of it, and no request failed there): a placed SEND
     /// acknowledges every request before it, as an ACK of its PSN would. (Waiting for those
@@ -787,9 +788,14 @@ impl QueuePair {
         req: &SendRequest,
         length: u64,
     ) -> Option<Option<DataMessage>> {
-        let imm = match req.opcode {
-            SendOpcode::Send => None,
-            SendOpcode::SendWithImm => Some(req.imm_data),
+        let (imm, rdma_write) = match req.opcode {
+            SendOpcode::Send => (None, None),
+            SendOpcode::SendWithImm => (Some(req.imm_data), None),
+            // Its bytes to the remote address, its completion to the next receive WR (a
+            // zero-length one names no memory: the responder's checks decide it).
+            SendOpcode::RdmaWriteWithImm if length > 0 => {
+                (Some(req.imm_data), Some((req.rkey, req.remote_addr)))
+            }
             _ => return None,
         };
         if self.qp_type != QpType::Rc || length > u64::from(u32::MAX) {
@@ -811,6 +817,7 @@ impl QueuePair {
             ack: q.ack_owed,
             from: (self.local_lid, self.qp_num),
             dst_qpn: peer.qpn,
+            rdma_write,
         };
         memory.send(&mut q.peer_ring, &send).ok()?;
         if send.ack.is_some() {
