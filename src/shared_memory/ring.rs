@@ -15,7 +15,8 @@
 //! when the owner said where that lies: an *in-place slot* per receive WR (written by the
 //! owner with the post, read by the peer only for such SENDs) names the WR's one SGE as the
 //! owner's published memory region sees it; the entry then says only that the bytes are in
-//! place.
+//! place. An RDMA WRITE with immediate data takes a receive WR too: its bytes go to the
+//! address it names, and its entry says so ([`PlacedBody`]).
 
 use super::{Mapping, file_identity, memfd, open_peer_fd};
 use crate::ucp::{AppSpan, total_len};

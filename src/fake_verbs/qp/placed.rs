@@ -1,8 +1,10 @@
 //! The receive side of the same-host SEND path (docs/design.md, "Same-host SEND path"): an
 //! RC QP whose connected peer lives on this host publishes its receive queue as a ring
-//! (`engine::direct::OwnReceiveRing`); the peer's requester places a small SEND straight into
-//! the next receive WR's ring entry, and this QP completes those WRs, in order, when its
-//! receive CQ is polled — no message, no progress call, no ACK. A message that arrives
+//! (`engine::direct::OwnReceiveRing`); the peer's requester places a SEND in the next receive
+//! WR (a small one in its ring entry, a larger one written in place into its buffer; a
+//! WRITE_WITH_IMM's bytes at its target, the WR taking its completion), and this QP completes
+//! those WRs, in order, when its receive CQ is polled — no message, no progress call, no
+//! ACK. A message that arrives
 //! through UCX takes its receive WR through the same cursor, after the placed ones before it
 //! completed.
 
