@@ -442,6 +442,16 @@ impl LocalMemory {
     }
 }
 
+/// Adds one to a statistic for the log and returns it: a load and a store, not an atomic
+/// read-modify-write (~20 cycles on every direct access); two threads counting at once may
+/// lose one.
+#[inline]
+fn note(counter: &AtomicU64) -> u64 {
+    let n = counter.load(Ordering::Relaxed) + 1;
+    counter.store(n, Ordering::Relaxed);
+    n
+}
+
 fn qp_slot(qpn: u32) -> usize {
     qpn as usize % QP_SLOTS
 }
@@ -723,11 +733,7 @@ impl PeerMemory {
     /// Counts one outcome; the counts are logged at each power of two.
     #[inline]
     fn count(&self, counter: &AtomicU64) {
-        // A statistic for the log: a load and a store, not an atomic read-modify-write (~20
-        // cycles on every direct access); two threads counting at once may lose one.
-        let n = counter.load(Ordering::Relaxed) + 1;
-        counter.store(n, Ordering::Relaxed);
-        if n.is_power_of_two() {
+        if note(counter).is_power_of_two() {
             self.log_counts();
         }
     }
@@ -863,23 +869,12 @@ impl PeerMemory {
     /// keeps of the peer's ring (mapped here, and the WRs it saw posted there).
     pub fn send(&self, ring: &mut PeerRing, send: &SendToRing<'_>) -> Result<(), Refused> {
         let result = self.holding_slot(send.dst_qpn, || self.send_locked(ring, send));
-        let also = |counter: &AtomicU64| {
-            counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        };
-        match (&result, send.rdma_write) {
-            (Ok(()), Some(_)) => {
-                also(&COUNTERS.writes_with_imm);
-                self.count(&COUNTERS.writes);
-            }
-            (Err(_), Some(_)) => self.count(&COUNTERS.fallbacks),
-            (Ok(()), None) => {
-                if total_len(send.spans) > SEND_MAX {
-                    also(&COUNTERS.sends_in_place);
-                }
-                self.count(&COUNTERS.sends);
-            }
-            (Err(_), None) => self.count(&COUNTERS.sends_as_messages),
-        }
+        self.count(match (&result, send.rdma_write) {
+            (Ok(()), Some(_)) => &COUNTERS.writes,
+            (Err(_), Some(_)) => &COUNTERS.fallbacks,
+            (Ok(()), None) => &COUNTERS.sends,
+            (Err(_), None) => &COUNTERS.sends_as_messages,
+        });
         result
     }
 
@@ -964,7 +959,9 @@ impl PeerMemory {
             return Err(Refused::NoReceive);
         }
         let target = self.region_target(pd, at.rkey, at.addr, u64::from(len), LOCAL_WRITE)?;
-        self.write_then_fill(ring, index, target, spans, &message)
+        self.write_then_fill(ring, index, target, spans, &message)?;
+        note(&COUNTERS.sends_in_place);
+        Ok(())
     }
 
     /// An RDMA WRITE with immediate data into the peer's QP `dst_qpn`, whose `index`-th receive
@@ -987,7 +984,9 @@ impl PeerMemory {
         let pd = qp.pd.load(Ordering::Relaxed);
         let target =
             self.region_target(pd, rkey, addr, u64::from(message.byte_len), REMOTE_WRITE)?;
-        self.write_then_fill(ring, index, target, spans, &message)
+        self.write_then_fill(ring, index, target, spans, &message)?;
+        note(&COUNTERS.writes_with_imm);
+        Ok(())
     }
 
     /// Writes `spans` to `target` (checked by the caller), then takes the `index`-th receive WR
@@ -1180,8 +1179,15 @@ mod tests {
         const N: usize = 20;
         let memory = LocalMemory::new(1).unwrap();
         let page = 4096usize;
-        let pages = crate::shared_memory::TestPages::new(N * 2);
-        let addr = |i: usize| pages.addr() + (i * 2 * page) as u64;
+        // Each region's memory: two pages of their own, unmapped when dropped.
+        let mut pages: Vec<Option<crate::ucp::HostBuffer>> = (0..N)
+            .map(|_| Some(crate::ucp::HostBuffer::new(2 * page as u64).unwrap()))
+            .collect();
+        let addrs: Vec<u64> = pages
+            .iter()
+            .map(|p| p.as_ref().unwrap().span(0, page as u64).unwrap().addr())
+            .collect();
+        let addr = |i: usize| addrs[i];
         let publish = |i: usize| {
             let slot = memory.allocate_region_slot().unwrap();
             let view = RegionView {
@@ -1214,8 +1220,11 @@ mod tests {
         memory.free_region_slot(slot);
         // The application unmaps all but region 5: the other backings go at the next
         // registration, region 5's stays for it.
-        pages.unmap(0, 5 * 2 * page);
-        pages.unmap(6 * 2 * page, (N - 6) * 2 * page);
+        for (i, p) in pages.iter_mut().enumerate() {
+            if i != 5 {
+                *p = None;
+            }
+        }
         let (slot, region) = publish(5);
         let s = memory.table.mr(usize::from(slot));
         assert_eq!(s.backing_ino.load(Ordering::Relaxed), inodes[5]);

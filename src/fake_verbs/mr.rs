@@ -205,10 +205,8 @@ impl Registration {
     /// The rkey under which same-host peers find this registration in the direct path's
     /// table, if it is published there.
     fn published_as(&self) -> Option<u32> {
-        let published = self.slot.is_some()
-            && direct_publishable(self.access, &self.region)
-            && Engine::local_memory().is_some();
-        published.then_some(self.rkey)
+        let published = self.published.lock().unwrap_or_else(|p| p.into_inner());
+        published.is_some().then_some(self.rkey)
     }
 
     /// A registration with the given keys, published for the direct path when it grants

@@ -392,8 +392,8 @@ impl PeerBacking {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ucp::AppRegion;
     use crate::ucp::mappings::{all_vmas, vmas_of_text};
+    use crate::ucp::{AppRegion, HostBuffer};
 
     #[test]
     fn a_shared_file_range_is_found_in_the_maps_and_anything_else_refused() {
@@ -425,11 +425,12 @@ mod tests {
 
     /// A private anonymous mapping of `pages` pages, filled with a pattern.
     fn anonymous(pages: usize) -> &'static mut [u8] {
-        // Leaked: unmapped only when the test process ends.
-        let mapped = std::mem::ManuallyDrop::new(crate::shared_memory::TestPages::new(pages));
         let len = pages * page_size() as usize;
+        // Leaked: unmapped only when the test process ends.
+        let mapped = std::mem::ManuallyDrop::new(HostBuffer::new(len as u64).unwrap());
+        let addr = mapped.span(0, len as u64).unwrap().addr();
         // SAFETY: the fresh mapping above, `len` bytes, owned by the test from now on.
-        let buf = unsafe { std::slice::from_raw_parts_mut(mapped.addr() as *mut u8, len) };
+        let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
         for (i, b) in buf.iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }

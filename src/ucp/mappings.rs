@@ -49,16 +49,12 @@ impl fmt::Display for Unusable {
 
 /// Parses one maps line (`start-end perms offset dev inode [path]`).
 fn parse_line(line: &str) -> Option<Mapping> {
-    let mut fields = line.split_ascii_whitespace();
-    let (start, end) = fields.next()?.split_once('-')?;
-    let perms = fields.next()?.as_bytes();
-    let inode = fields.nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
-    Some(Mapping {
-        start: u64::from_str_radix(start, 16).ok()?,
-        end: u64::from_str_radix(end, 16).ok()?,
-        read: perms.first() == Some(&b'r'),
-        write: perms.get(1) == Some(&b'w'),
-        inode,
+    vma_of_line(line).map(|v| Mapping {
+        start: v.start,
+        end: v.end,
+        read: v.read,
+        write: v.write,
+        inode: v.inode,
     })
 }
 
@@ -149,24 +145,36 @@ fn with_query_file<R>(f: impl FnOnce(&std::fs::File) -> R) -> Option<R> {
         let here = query as *const () as u64;
         let file = std::fs::File::open("/proc/self/maps")
             .ok()
-            .filter(|f| query(f, here, 0).is_ok());
+            .filter(|f| query(f, here, 0, None).is_ok());
         *slot = Some((pid, file));
     }
     slot.as_ref()?.1.as_ref().map(f)
 }
 
 /// The mapping covering `addr` (with [`COVERING_OR_NEXT`] in `flags`: or else the next one
-/// above), None if there is none; Err when the kernel has no PROCMAP_QUERY.
-fn query(file: &std::fs::File, addr: u64, flags: u64) -> Result<Option<ProcmapQuery>, ()> {
+/// above), None if there is none; Err when the kernel has no PROCMAP_QUERY. With `name`, the
+/// name the maps show for it is written there (NUL-terminated; `vma_name_size` says its
+/// length with the NUL).
+fn query(
+    file: &std::fs::File,
+    addr: u64,
+    flags: u64,
+    name: Option<&mut [u8]>,
+) -> Result<Option<ProcmapQuery>, ()> {
     use std::os::fd::AsRawFd;
+    let (name_addr, name_size) = name.map_or((0, 0), |n| (n.as_mut_ptr() as u64, n.len() as u32));
     let mut q = ProcmapQuery {
         size: size_of::<ProcmapQuery>() as u64,
         query_flags: flags,
         query_addr: addr,
+        vma_name_addr: name_addr,
+        vma_name_size: name_size,
         ..Default::default()
     };
     // SAFETY: the ioctl reads and writes one `struct procmap_query` (its size given in
-    // `size`), asks for no name or build id (sizes 0), and touches nothing else.
+    // `size`), and writes at most `vma_name_size` bytes to `vma_name_addr` (a live buffer of
+    // that size borrowed for the call, or none), asks for no build id, and touches nothing
+    // else.
     let rc = unsafe { libc::ioctl(file.as_raw_fd(), PROCMAP_QUERY, &mut q) };
     if rc == 0 {
         return Ok(Some(q));
@@ -183,7 +191,7 @@ fn check_by_query(addr: u64, end: u64, write: bool) -> Option<Result<(), Unusabl
     with_query_file(|file| {
         let mut covered = addr;
         while covered < end {
-            let q = match query(file, covered, 0) {
+            let q = match query(file, covered, 0, None) {
                 Ok(Some(q)) => q,
                 Ok(None) => return Some(Err(Unusable::Unmapped)),
                 Err(()) => return None,
@@ -283,7 +291,7 @@ fn vmas_by_query(file: &std::fs::File, start: u64, end: u64) -> Result<Vec<Vma>,
     let mut out = Vec::new();
     let mut at = start;
     while at < end {
-        let Some(q) = query(file, at, COVERING_OR_NEXT)? else {
+        let Some(q) = query(file, at, COVERING_OR_NEXT, None)? else {
             break;
         };
         if q.vma_start >= end {
@@ -311,21 +319,8 @@ fn vmas_by_query(file: &std::fs::File, start: u64, end: u64) -> Result<Vec<Vma>,
 
 /// The name the maps show for the mapping of no file at `addr` (`[heap]`, ...).
 fn anonymous_name(file: &std::fs::File, addr: u64) -> Result<String, ()> {
-    use std::os::fd::AsRawFd;
     let mut name = [0u8; 256];
-    let mut q = ProcmapQuery {
-        size: size_of::<ProcmapQuery>() as u64,
-        query_addr: addr,
-        vma_name_size: name.len() as u32,
-        vma_name_addr: name.as_mut_ptr() as u64,
-        ..Default::default()
-    };
-    // SAFETY: as in `query`, and the kernel writes at most `vma_name_size` bytes (the name
-    // and its NUL) to `name`, which is that large and outlives the call.
-    let rc = unsafe { libc::ioctl(file.as_raw_fd(), PROCMAP_QUERY, &mut q) };
-    if rc != 0 {
-        return Err(());
-    }
+    let q = query(file, addr, 0, Some(&mut name))?.ok_or(())?;
     let len = (q.vma_name_size as usize).saturating_sub(1).min(name.len());
     Ok(String::from_utf8_lossy(&name[..len]).into_owned())
 }

@@ -173,32 +173,35 @@ impl QueuePair {
                 h.imm_data = imm;
             }
             let len = placed.byte_len as usize;
-            let landed = if placed.body == PlacedBody::RdmaWrite {
+            let landed = match placed.body {
                 // An RDMA WRITE with immediate data: its bytes went where it named (checked
                 // by the peer as a direct WRITE); the WR takes only the completion.
-                Ok(())
-            } else if len as u64 > wr.room() || (len > SEND_MAX && placed.body == PlacedBody::Entry)
-            {
+                PlacedBody::RdmaWrite => Ok(()),
                 // The peer checked the room it read in the ring; one that wrote more than the
-                // WR holds broke the protocol: nothing lands.
-                Err(WcStatus::LocLenErr)
-            } else if placed.body == PlacedBody::InPlace {
+                // WR holds (or more than an entry, or in place into a WR that offered no
+                // place) broke the protocol: nothing lands.
+                _ if len as u64 > wr.room() => Err(WcStatus::LocLenErr),
+                PlacedBody::Entry if len > SEND_MAX => Err(WcStatus::LocLenErr),
+                PlacedBody::InPlace if wr.sges.len() != 1 => Err(WcStatus::LocLenErr),
                 // Written into the WR's one SGE by the peer, through the region's published
                 // slot: while it was registered (deregistration completes placed WRs first).
-                Ok(())
-            } else if land_in_one_pinned_sge(
-                &self.pd,
-                &wr.sges,
-                &q.placed_bytes[..len],
-                &mut q.recv_keys,
-            ) {
-                Ok(()) // most receives: one SGE of pinned memory
-            } else {
-                local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
+                PlacedBody::InPlace => Ok(()),
+                // Most receives: one SGE of pinned memory.
+                PlacedBody::Entry
+                    if land_in_one_pinned_sge(
+                        &self.pd,
+                        &wr.sges,
+                        &q.placed_bytes[..len],
+                        &mut q.recv_keys,
+                    ) =>
+                {
+                    Ok(())
+                }
+                PlacedBody::Entry => local_spans_cached(&self.pd, &wr.sges, true, &mut q.recv_keys)
                     .map(|spans| {
                         crate::ucp::scatter(&spans, &q.placed_bytes[..len]);
                     })
-                    .ok_or(WcStatus::LocProtErr)
+                    .ok_or(WcStatus::LocProtErr),
             };
             match landed {
                 Ok(()) => {
