@@ -175,6 +175,16 @@ fn an_event_for_completions_polled_since_a_rearming_over_completions_is_not_hand
     run_under_ugdr(&exe, "stale_cq_event");
 }
 
+/// Solicited events (tests/c/solicited_event.c): a CQ armed with `solicited_only` raises no
+/// event for unsolicited SENDs, SEND_WITH_IMMs and WRITE_WITH_IMMs, one for each sent with
+/// `IBV_SEND_SOLICITED` and one for flushed receives; armed for any completion, one for an
+/// unsolicited SEND. Every receive completion's fields and bytes are checked.
+#[test]
+fn a_cq_armed_for_solicited_completions_fires_for_solicited_messages_and_errors_only() {
+    let exe = build_c("solicited_event", &["-libverbs"]);
+    run_under_ugdr(&exe, "solicited_event");
+}
+
 /// The most SENDs the debug log of `out` says were placed in a peer's receive ring (0: none),
 /// the most of them it says were written in place into the receive WR's buffer, and the most
 /// RDMA WRITEs with immediate data it says were placed.

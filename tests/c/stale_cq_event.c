@@ -73,13 +73,8 @@ static double now_s(void)
 
 int main(void)
 {
-    struct ibv_device **list = ibv_get_device_list(NULL);
-    CHECK(list && list[0], "no device");
-    struct ibv_context *ctx = ibv_open_device(list[0]);
-    ibv_free_device_list(list);
-    CHECK(ctx, "open");
     struct ibv_port_attr port;
-    CHECK(ibv_query_port(ctx, 1, &port) == 0, "query_port");
+    struct ibv_context *ctx = open_first_device(&port);
     struct ibv_comp_channel *ch = ibv_create_comp_channel(ctx);
     struct ibv_pd *pd = ibv_alloc_pd(ctx);
     struct ibv_cq *cq = ibv_create_cq(ctx, 64, NULL, ch, 0);

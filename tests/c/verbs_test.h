@@ -15,6 +15,18 @@
 /* A call that must fail with `bad` and errno `e`. */
 #define FAILS_WITH(call, bad, e) do { errno = 0; CHECK((call) == (bad) && errno == (e), "%s", #call); } while (0)
 
+/* The first device's context (ugdr0 under ugdr), port 1's attributes in `port`. */
+static inline struct ibv_context *open_first_device(struct ibv_port_attr *port)
+{
+    struct ibv_device **list = ibv_get_device_list(NULL);
+    CHECK(list && list[0], "no device");
+    struct ibv_context *ctx = ibv_open_device(list[0]);
+    ibv_free_device_list(list);
+    CHECK(ctx, "open");
+    CHECK(ibv_query_port(ctx, 1, port) == 0, "query_port");
+    return ctx;
+}
+
 /* RESET → INIT (with `access` as the QP's remote access) → RTR towards (dlid, dqpn) → RTS
  * with local ACK timeout `timeout` (4.096 µs × 2^timeout). */
 static inline void to_rts_with_timeout(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access,
