@@ -185,6 +185,19 @@ fn a_cq_armed_for_solicited_completions_fires_for_solicited_messages_and_errors_
     run_under_ugdr(&exe, "solicited_event");
 }
 
+/// `IBV_SEND_FENCE` between two processes on the message path (tests/c/fence.c): a fenced
+/// WRITE after a READ of the same memory never lands before the READ read it (20 rounds of
+/// 1 MiB; the READ returned the WRITE's bytes in most of them before the fence was kept), a
+/// fenced WRITE after a FETCH_AND_ADD waits for its answer, and a fenced WRITE held behind a
+/// READ the stopped responder never answers is flushed unsent, the retransmission timer
+/// included. Every completion's fields are checked. `UGDR_DIRECT=off`: on one host the
+/// direct path completes a READ at post time, with no fence to keep.
+#[test]
+fn a_fenced_wr_waits_for_the_reads_and_atomics_posted_before_it() {
+    let exe = build_c("fence", &["-libverbs"]);
+    run_checked_under_ugdr_with(&exe, &[], &[("UGDR_DIRECT", "off")], "fence", "fence: ok");
+}
+
 /// The most SENDs the debug log of `out` says were placed in a peer's receive ring (0: none),
 /// the most of them it says were written in place into the receive WR's buffer, and the most
 /// RDMA WRITEs with immediate data it says were placed.

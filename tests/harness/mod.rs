@@ -114,8 +114,21 @@ pub fn build_c(name: &str, libs: &[&str]) -> PathBuf {
 /// Runs the test program `exe` with `args` under ugdr (as `what`, for at most 60 s): it must
 /// exit 0 and print the line `done`.
 pub fn run_checked_under_ugdr(exe: &std::path::Path, args: &[&str], what: &str, done: &str) {
+    run_checked_under_ugdr_with(exe, args, &[], what, done);
+}
+
+/// As [`run_checked_under_ugdr`], with the environment variables `env` set too.
+pub fn run_checked_under_ugdr_with(
+    exe: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    what: &str,
+    done: &str,
+) {
     let mut cmd = Command::new(exe);
-    cmd.args(args).env("LD_PRELOAD", lib_path());
+    cmd.args(args)
+        .env("LD_PRELOAD", lib_path())
+        .envs(env.iter().copied());
     let out = run(cmd, what, Duration::from_secs(60));
     assert_success(&out, what);
     assert!(

@@ -7,7 +7,7 @@
 use super::super::qp_state::QpState;
 use super::super::work::{WcOpcode, WcStatus, WorkCompletion};
 use super::QueuePair;
-use super::queues::{Deferred, Queues, release_kept};
+use super::queues::{Deferred, Fenced, Queues, release_kept};
 use super::receive::flushed_receive;
 use crate::engine::Engine;
 use crate::engine::wire::{self, Header, Nak};
@@ -48,6 +48,8 @@ impl QueuePair {
         }
         // What they placed before is received, as a HCA's arrivals before the error are.
         self.complete_placed(q);
+        // WRs held back by a fence were never sent: flushed below with the rest.
+        q.fenced.clear();
         for e in q.sq.iter_mut().filter(|e| !e.pulling) {
             e.outcome = Some(match e.outcome {
                 Some(failed) if failed != WcStatus::Success => failed,
@@ -89,8 +91,10 @@ impl QueuePair {
     pub(super) fn release_send_completions(&self, q: &mut Queues) {
         // One hold of the CQ's lock for all the completions an ACK releases.
         let mut done = self.send_cq.batch();
+        let mut failed = false;
         while let Some(head) = q.sq.front() {
             let Some(status) = head.outcome else { break };
+            failed |= status != WcStatus::Success;
             if status != WcStatus::Success
                 && head.in_ucx > 0
                 && q.peer.as_ref().is_some_and(|p| !p.endpoint.failed())
@@ -110,6 +114,37 @@ impl QueuePair {
         }
         drop(done);
         self.check_drained(q);
+        if !failed {
+            self.release_fenced(q);
+        }
+    }
+
+    /// Sends the messages held back by a fence ([`Queues::fenced`]) that may go now: in post
+    /// order, up to a fenced one that still waits for a READ or atomic posted before it. None
+    /// goes once a WR before it failed (here, or among the completions just released): the QP
+    /// is on its way to ERR (`fail_entry` and `fail` release the failed WR's completion
+    /// before they change its state), which flushes them.
+    fn release_fenced(&self, q: &mut Queues) {
+        if !matches!(q.state, QpState::Rts | QpState::Sqd) {
+            return;
+        }
+        while let Some(next) = q.fenced.front() {
+            let seq = Some(next.message.seq);
+            let failed_before =
+                q.sq.iter()
+                    .take_while(|e| Some(e.seq) != seq)
+                    .any(|e| e.outcome.is_some_and(|s| s != WcStatus::Success));
+            if failed_before || (next.fence && q.reads_outstanding_before(seq)) {
+                break;
+            }
+            let Fenced { message, .. } = q.fenced.pop_front().expect("front exists");
+            q.outbox.push(Deferred::Send {
+                endpoint: message.endpoint,
+                header: message.header,
+                payload: message.payload,
+                data_seq: Some(message.seq),
+            });
+        }
     }
 
     /// An ACK (or NAK) from the responder.

@@ -149,6 +149,13 @@ pub(super) struct DataMessage {
     pub(super) bundle: bool,
 }
 
+/// A data message held back by `IBV_SEND_FENCE` ([`Queues::fenced`]).
+pub(super) struct Fenced {
+    /// Its WR asked for the fence (else it only waits behind one that did).
+    pub(super) fence: bool,
+    pub(super) message: DataMessage,
+}
+
 /// What runs when a rendezvous body landed: `QueuePair::on_landed` (responder) or
 /// `QueuePair::on_response_landed` (a READ at the requester).
 pub(super) type Landed =
@@ -160,6 +167,10 @@ pub(super) struct Queues {
     pub(super) attrs: QpAttributes,
     pub(super) peer: Option<Peer>,
     pub(super) sq: VecDeque<SendEntry>,
+    /// Requester: the messages of WRs posted behind a fenced one that waits for the READs and
+    /// atomics posted before it to complete (`IBV_SEND_FENCE`), in post order: the send queue
+    /// stalls there, as a HCA's does, and they go out once the fence is passed.
+    pub(super) fenced: VecDeque<Fenced>,
     /// The PSN of the next message (from `sq_psn` at RTS).
     pub(super) next_send_seq: u32,
     /// Requester: the newest PSN the responder acknowledged (`sq_psn - 1` before any); an
@@ -250,6 +261,15 @@ pub(super) fn release_kept(q: &mut Queues) {
 }
 
 impl Queues {
+    /// Whether a READ or atomic posted before the send WR `seq` (before every WR: None) has
+    /// not completed yet: its answer has not come, or is still landing.
+    pub(super) fn reads_outstanding_before(&self, seq: Option<u32>) -> bool {
+        self.sq
+            .iter()
+            .take_while(|e| Some(e.seq) != seq)
+            .any(|e| e.outcome.is_none() && (e.response_into.is_some() || e.pulling))
+    }
+
     /// The queues of a new QP (RESET).
     pub(super) fn new() -> Queues {
         Queues {
@@ -261,6 +281,7 @@ impl Queues {
             },
             peer: None,
             sq: VecDeque::new(),
+            fenced: VecDeque::new(),
             next_send_seq: 0,
             acked_psn: wire::PSN_MASK,
             timer: super::timer::Timer::default(),

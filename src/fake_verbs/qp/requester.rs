@@ -8,7 +8,7 @@ use super::super::mr::{KeyCache, local_spans_cached};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{SendOpcode, SendRequest, WcStatus, WorkCompletion};
 use super::super::{VerbsError, device};
-use super::queues::{DataMessage, Queues, SendEntry};
+use super::queues::{DataMessage, Fenced, Queues, SendEntry};
 use super::{QueuePair, unreliable};
 use crate::engine::direct::{self, AtomicOp, DirectAccess};
 use crate::engine::wire::{self, Header, Op};
@@ -337,6 +337,11 @@ impl QueuePair {
         if let Some(done) = self.try_direct(q, req, op, length) {
             return Ok(done);
         }
+        // IBV_SEND_FENCE: this WR's message waits until the READs and atomics posted before
+        // it completed, and a WR posted behind a waiting one waits too (the QP's messages go
+        // in post order). Its ACK to carry stays owed meanwhile.
+        let held = self.qp_type.reliable()
+            && (!q.fenced.is_empty() || (req.fence && q.reads_outstanding_before(None)));
         let seq = q.next_send_seq;
         q.next_send_seq = wire::psn_add(seq, 1);
         q.sq.push_back(SendEntry {
@@ -490,18 +495,33 @@ impl QueuePair {
             self.run_timer(q);
         }
         if self.qp_type != QpType::XrcSend
+            && !held
             && let Some(ack) = super::responder::take_owed_ack(q)
         {
             header.flags |= wire::FLAG_ACK;
             header.ack_seq = ack;
         }
-        Ok(Some(DataMessage {
+        let message = DataMessage {
             endpoint,
             header,
             payload,
             seq,
             bundle,
-        }))
+        };
+        if held {
+            tracing::debug!(
+                "qp {:#x}: wr_id {} waits behind a fence ({} waiting)",
+                self.qp_num,
+                req.wr_id,
+                q.fenced.len() + 1
+            );
+            q.fenced.push_back(Fenced {
+                fence: req.fence,
+                message,
+            });
+            return Ok(None);
+        }
+        Ok(Some(message))
     }
 
     /// Hands a message to UCX; false when an RC data message could not be sent (the QP

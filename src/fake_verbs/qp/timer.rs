@@ -224,10 +224,15 @@ impl QueuePair {
         };
         let mut sent = 0u32;
         q.timer.resend_from = None;
+        // Messages held back by a fence were never sent: they go when the fence is passed.
+        let held_from = q.fenced.front().map(|f| f.message.seq);
         for e in
             q.sq.iter()
                 .filter(|e| e.unanswered() && from.is_none_or(|p| !psn_before(e.seq, p)))
         {
+            if Some(e.seq) == held_from {
+                break;
+            }
             if e.in_ucx > 0 {
                 q.timer.resend_from = Some(e.seq);
                 break;
