@@ -198,6 +198,8 @@ int main(void)
 
     /* 3. The responder's memory now starts 0xBB and ends 0xBB (round 20's WRITE). */
     CHECK(kill(child, SIGSTOP) == 0, "SIGSTOP");
+    int stopped = 0;
+    CHECK(waitpid(child, &stopped, WUNTRACED) == child && WIFSTOPPED(stopped), "the responder stopped");
     memset(new, 0xDD, LEN);
     struct ibv_send_wr r = { .wr_id = 10, .sg_list = &s_landed, .num_sge = 1,
                              .opcode = IBV_WR_RDMA_READ, .send_flags = IBV_SEND_SIGNALED },

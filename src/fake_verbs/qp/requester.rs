@@ -821,6 +821,12 @@ impl QueuePair {
         if self.qp_type != QpType::Rc || length > u64::from(u32::MAX) {
             return None;
         }
+        // A fenced one waits for the READs and atomics before it (the message path holds it):
+        // the peer may have executed such a READ, which the ring's PSN check lets pass, while
+        // its data is still on its way here.
+        if req.fence && q.reads_outstanding_before(None) {
+            return None;
+        }
         let peer = q.peer.as_ref()?;
         // A peer QP without a ring (an SRQ's, one whose CQ has a channel) never takes one.
         let memory = peer
