@@ -77,8 +77,9 @@ impl QueuePair {
         if let Some(e) = q.sq.iter_mut().find(|e| e.seq == seq) {
             e.outcome = Some(status);
         }
-        self.release_send_completions(q);
+        // In ERR before its completion is released: nothing held behind a fence may go.
         q.state = QpState::Err;
+        self.release_send_completions(q);
         self.flush(q);
     }
 
@@ -91,10 +92,8 @@ impl QueuePair {
     pub(super) fn release_send_completions(&self, q: &mut Queues) {
         // One hold of the CQ's lock for all the completions an ACK releases.
         let mut done = self.send_cq.batch();
-        let mut failed = false;
         while let Some(head) = q.sq.front() {
             let Some(status) = head.outcome else { break };
-            failed |= status != WcStatus::Success;
             if status != WcStatus::Success
                 && head.in_ucx > 0
                 && q.peer.as_ref().is_some_and(|p| !p.endpoint.failed())
@@ -114,27 +113,19 @@ impl QueuePair {
         }
         drop(done);
         self.check_drained(q);
-        if !failed {
-            self.release_fenced(q);
-        }
+        self.release_fenced(q);
     }
 
     /// Sends the messages held back by a fence ([`Queues::fenced`]) that may go now: in post
     /// order, up to a fenced one that still waits for a READ or atomic posted before it. None
-    /// goes once a WR before it failed (here, or among the completions just released): the QP
-    /// is on its way to ERR (`fail_entry` and `fail` release the failed WR's completion
-    /// before they change its state), which flushes them.
+    /// goes from a QP that failed (`fail_entry` and `fail` enter ERR before they release the
+    /// failed WR's completion): the flush drops them.
     fn release_fenced(&self, q: &mut Queues) {
-        if !matches!(q.state, QpState::Rts | QpState::Sqd) {
+        if q.fenced.is_empty() || !matches!(q.state, QpState::Rts | QpState::Sqd) {
             return;
         }
         while let Some(next) = q.fenced.front() {
-            let seq = Some(next.message.seq);
-            let failed_before =
-                q.sq.iter()
-                    .take_while(|e| Some(e.seq) != seq)
-                    .any(|e| e.outcome.is_some_and(|s| s != WcStatus::Success));
-            if failed_before || (next.fence && q.reads_outstanding_before(seq)) {
+            if next.fence && q.reads_outstanding_before(Some(next.message.seq)) {
                 break;
             }
             let Fenced { message, .. } = q.fenced.pop_front().expect("front exists");

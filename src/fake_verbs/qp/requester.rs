@@ -726,11 +726,10 @@ impl QueuePair {
     /// acknowledges them. So a window of WRITEs behind a SEND that went as a message goes
     /// direct again once the responder took that SEND, not only once its ACK came back.
     fn nothing_on_its_way(&self, q: &mut Queues) -> bool {
-        let mut waiting = q.sq.iter().filter(|e| e.outcome.is_none()).peekable();
-        if waiting.peek().is_none() {
+        if q.sq.iter().all(|e| e.outcome.is_some()) {
             return true;
         }
-        if waiting.any(|e| e.response_into.is_some() || e.pulling) {
+        if q.reads_outstanding_before(None) {
             return false;
         }
         let Some(peer) = q.peer.as_ref() else {

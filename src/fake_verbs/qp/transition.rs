@@ -206,8 +206,9 @@ impl QueuePair {
             if let Some(e) = q.sq.iter_mut().find(|e| e.outcome.is_none() && !e.pulling) {
                 e.outcome = Some(status);
             }
-            self.release_send_completions(q);
+            // In ERR before its completion is released, as `fail_entry`.
             q.state = QpState::Err;
+            self.release_send_completions(q);
             self.flush(q);
         })
     }
