@@ -198,6 +198,26 @@ fn a_fenced_wr_waits_for_the_reads_and_atomics_posted_before_it() {
     run_checked_under_ugdr_with(&exe, &[], &[("UGDR_DIRECT", "off")], "fence", "fence: ok");
 }
 
+/// `max_rd_atomic` between two processes on the message path (tests/c/initiator_depth.c): at
+/// depth 1, and at depth 0 (one, as mlx4 and mlx5 allow), a READ or atomic behind an
+/// unanswered READ waits for its answer, and a WRITE posted behind it waits too, so the first
+/// READ never returns the WRITE's bytes (20 rounds of 1 MiB each; it returned them in the
+/// first round before the depth was kept); a READ and a WRITE held behind a READ the stopped
+/// responder never answers are flushed unsent, the retransmission timer included. Every
+/// completion's fields are checked. `UGDR_DIRECT=off`: on one host the direct path completes a
+/// READ at post time.
+#[test]
+fn a_read_or_atomic_beyond_max_rd_atomic_waits_for_one_in_flight_to_complete() {
+    let exe = build_c("initiator_depth", &["-libverbs"]);
+    run_checked_under_ugdr_with(
+        &exe,
+        &[],
+        &[("UGDR_DIRECT", "off")],
+        "initiator_depth",
+        "initiator_depth: ok",
+    );
+}
+
 /// The most SENDs the debug log of `out` says were placed in a peer's receive ring (0: none),
 /// the most of them it says were written in place into the receive WR's buffer, and the most
 /// RDMA WRITEs with immediate data it says were placed.

@@ -13,11 +13,8 @@
  * Every completion's wr_id, status, opcode, qp_num and (for READs) byte_len is checked. Run
  * with UGDR_DIRECT=off (the message path, as between hosts; on one host the direct path
  * completes a READ at post time). Prints "fence: ok". */
-#include "verbs_test.h"
-#include <signal.h>
+#include "responder_process.h"
 #include <stdint.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 enum { LEN = 1 << 20, TAIL = 64 };
 
@@ -49,35 +46,10 @@ static void expect(uint64_t id, enum ibv_wc_status status, enum ibv_wc_opcode op
               "wr %llu: opcode %d byte_len %u", (unsigned long long)id, wc.opcode, wc.byte_len);
 }
 
-/* A parent that fails kills its responder (which may be stopped) on its way out. */
-static pid_t responder;
-static void kill_responder(void)
-{
-    if (responder > 0)
-        kill(responder, SIGKILL);
-}
-
-static size_t count_of(const char *p, size_t n, unsigned char byte)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++)
-        k += (unsigned char)p[i] == byte;
-    return k;
-}
-
 int main(void)
 {
-    int to_child[2], to_parent[2];
-    CHECK(pipe(to_child) == 0 && pipe(to_parent) == 0, "pipe");
-    pid_t child = fork();
-    CHECK(child >= 0, "fork");
-    int in = child == 0 ? to_child[0] : to_parent[0], out = child == 0 ? to_parent[1] : to_child[1];
-    close(child == 0 ? to_child[1] : to_parent[1]);
-    close(child == 0 ? to_parent[0] : to_child[0]);
-    if (child > 0) {
-        responder = child;
-        atexit(kill_responder);
-    }
+    int in, out;
+    pid_t child = fork_responder(&in, &out);
 
     struct ibv_port_attr port;
     struct ibv_context *ctx = open_first_device(&port);
@@ -108,18 +80,9 @@ int main(void)
     CHECK(write(out, &me, sizeof me) == sizeof me, "send info");
     CHECK(read(in, &peer, sizeof peer) == sizeof peer, "peer info");
     to_rts(qp, peer.lid, peer.qpn, remote);
-    char c = 'r';
-    CHECK(write(out, &c, 1) == 1 && read(in, &c, 1) == 1, "both at RTS");
-
-    if (child == 0) {
-        /* The responder: ugdr answers on its own. Asked, it reports its first and last
-         * target bytes, and ends when told. */
-        while (read(in, &c, 1) == 1 && c == '?') {
-            unsigned char b[2] = { (unsigned char)target[0], (unsigned char)target[LEN - 1] };
-            CHECK(write(out, b, 2) == 2, "report");
-        }
-        return 0;
-    }
+    both_at_rts(in, out);
+    if (child == 0)
+        return serve_reports(in, out, target, LEN);
 
     memset(old, 0xAA, LEN);
     memset(new, 0xBB, LEN);
@@ -197,9 +160,7 @@ int main(void)
     CHECK(*fetched == 7, "after the fenced WRITE: %#llx", (unsigned long long)*fetched);
 
     /* 3. The responder's memory now starts 0xBB and ends 0xBB (round 20's WRITE). */
-    CHECK(kill(child, SIGSTOP) == 0, "SIGSTOP");
-    int stopped = 0;
-    CHECK(waitpid(child, &stopped, WUNTRACED) == child && WIFSTOPPED(stopped), "the responder stopped");
+    stop_responder();
     memset(new, 0xDD, LEN);
     struct ibv_send_wr r = { .wr_id = 10, .sg_list = &s_landed, .num_sge = 1,
                              .opcode = IBV_WR_RDMA_READ, .send_flags = IBV_SEND_SIGNALED },
@@ -211,19 +172,11 @@ int main(void)
     post(&r);
     expect(10, IBV_WC_RETRY_EXC_ERR, 0, 0);
     expect(11, IBV_WC_WR_FLUSH_ERR, 0, 0);
-    CHECK(kill(child, SIGCONT) == 0, "SIGCONT");
-    usleep(500 * 1000); /* what UCX held for the child reaches it */
-    c = '?';
     unsigned char bytes[2];
-    CHECK(write(out, &c, 1) == 1 && read(in, bytes, 2) == 2, "the child's report");
+    resume_and_report(in, out, bytes);
     CHECK(bytes[0] == 0xBB && bytes[1] == 0xBB, "the flushed WRITE landed: %#x %#x", bytes[0], bytes[1]);
 
-    c = 'e';
-    CHECK(write(out, &c, 1) == 1, "end");
-    int status = 0;
-    CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-          "the responder's exit: %#x", status);
-    responder = 0;
+    end_responder(out);
     printf("fence: ok\n");
     return 0;
 }

@@ -28,9 +28,10 @@ static inline struct ibv_context *open_first_device(struct ibv_port_attr *port)
 }
 
 /* RESET → INIT (with `access` as the QP's remote access) → RTR towards (dlid, dqpn) → RTS
- * with local ACK timeout `timeout` (4.096 µs × 2^timeout). */
-static inline void to_rts_with_timeout(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access,
-                                       uint8_t timeout)
+ * with local ACK timeout `timeout` (4.096 µs × 2^timeout) and `depth` READs and atomics in
+ * flight at most (max_rd_atomic). */
+static inline void to_rts_with_depth(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access,
+                                     uint8_t timeout, uint8_t depth)
 {
     struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qp_access_flags = access };
     CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0, "INIT");
@@ -40,9 +41,16 @@ static inline void to_rts_with_timeout(struct ibv_qp *qp, uint16_t dlid, uint32_
     CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
                         IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) == 0, "RTR");
     memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTS; a.timeout = timeout; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
+    a.qp_state = IBV_QPS_RTS; a.timeout = timeout; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = depth;
     CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                         IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC) == 0, "RTS");
+}
+
+/* As to_rts_with_depth, one READ or atomic in flight (ibv_rc_pingpong's max_rd_atomic). */
+static inline void to_rts_with_timeout(struct ibv_qp *qp, uint16_t dlid, uint32_t dqpn, int access,
+                                       uint8_t timeout)
+{
+    to_rts_with_depth(qp, dlid, dqpn, access, timeout, 1);
 }
 
 /* As to_rts_with_timeout, ibv_rc_pingpong's timeout (14: ~67 ms). */

@@ -7,7 +7,7 @@
 use super::super::qp_state::QpState;
 use super::super::work::{WcOpcode, WcStatus, WorkCompletion};
 use super::QueuePair;
-use super::queues::{Deferred, Fenced, Queues, release_kept};
+use super::queues::{Deferred, HeldMessage, Queues, release_kept};
 use super::receive::flushed_receive;
 use crate::engine::Engine;
 use crate::engine::wire::{self, Header, Nak};
@@ -48,8 +48,8 @@ impl QueuePair {
         }
         // What they placed before is received, as a HCA's arrivals before the error are.
         self.complete_placed(q);
-        // WRs held back by a fence were never sent: flushed below with the rest.
-        q.fenced.clear();
+        // WRs the send queue held back were never sent: flushed below with the rest.
+        q.held.clear();
         for e in q.sq.iter_mut().filter(|e| !e.pulling) {
             e.outcome = Some(match e.outcome {
                 Some(failed) if failed != WcStatus::Success => failed,
@@ -113,22 +113,26 @@ impl QueuePair {
         }
         drop(done);
         self.check_drained(q);
-        self.release_fenced(q);
+        self.release_held(q);
     }
 
-    /// Sends the messages held back by a fence ([`Queues::fenced`]) that may go now: in post
-    /// order, up to a fenced one that still waits for a READ or atomic posted before it. None
-    /// goes from a QP that failed (`fail_entry` and `fail` enter ERR before they release the
-    /// failed WR's completion): the flush drops them.
-    fn release_fenced(&self, q: &mut Queues) {
-        if q.fenced.is_empty() || !matches!(q.state, QpState::Rts | QpState::Sqd) {
+    /// Sends the messages the send queue held back ([`Queues::held`]) that may go now: in
+    /// post order, up to a fenced one that still waits for a READ or atomic posted before it,
+    /// or a READ or atomic for which no read credit is free. None goes from a QP that failed
+    /// (`fail_entry` and `fail` enter ERR before they release the failed WR's completion): the
+    /// flush drops them.
+    fn release_held(&self, q: &mut Queues) {
+        if q.held.is_empty() || !matches!(q.state, QpState::Rts | QpState::Sqd) {
             return;
         }
-        while let Some(next) = q.fenced.front() {
-            if next.fence && q.reads_outstanding_before(Some(next.message.seq)) {
+        while let Some(next) = q.held.front() {
+            let seq = Some(next.message.seq);
+            if (next.fence && q.reads_outstanding_before(seq))
+                || (next.read_or_atomic && q.reads_in_flight_before(seq) >= q.read_credits())
+            {
                 break;
             }
-            let Fenced { message, .. } = q.fenced.pop_front().expect("front exists");
+            let HeldMessage { message, .. } = q.held.pop_front().expect("front exists");
             q.outbox.push(Deferred::Send {
                 endpoint: message.endpoint,
                 header: message.header,

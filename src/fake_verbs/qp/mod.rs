@@ -251,7 +251,7 @@ impl QueuePair {
         let peer = self.locked_then_send(locked, |q| {
             release_kept(q);
             q.sq.clear();
-            q.fenced.clear();
+            q.held.clear();
             q.rq.clear();
             q.state = QpState::Reset;
             self.handle.store(0, Ordering::Release);

@@ -149,10 +149,12 @@ pub(super) struct DataMessage {
     pub(super) bundle: bool,
 }
 
-/// A data message held back by `IBV_SEND_FENCE` ([`Queues::fenced`]).
-pub(super) struct Fenced {
-    /// Its WR asked for the fence (else it only waits behind one that did).
+/// A data message the send queue holds back ([`Queues::held`]).
+pub(super) struct HeldMessage {
+    /// Its WR asked for `IBV_SEND_FENCE`: it waits for the READs and atomics posted before it.
     pub(super) fence: bool,
+    /// Its WR is a READ or an atomic: it waits for one of the QP's [`Queues::read_credits`].
+    pub(super) read_or_atomic: bool,
     pub(super) message: DataMessage,
 }
 
@@ -167,10 +169,12 @@ pub(super) struct Queues {
     pub(super) attrs: QpAttributes,
     pub(super) peer: Option<Peer>,
     pub(super) sq: VecDeque<SendEntry>,
-    /// Requester: the messages of WRs posted behind a fenced one that waits for the READs and
-    /// atomics posted before it to complete (`IBV_SEND_FENCE`), in post order: the send queue
-    /// stalls there, as a HCA's does, and they go out once the fence is passed.
-    pub(super) fenced: VecDeque<Fenced>,
+    /// Requester: the messages of WRs the send queue holds back, in post order, from the
+    /// first that may not go yet: a fenced one (`IBV_SEND_FENCE`) while a READ or atomic
+    /// posted before it has not completed, or a READ or atomic while `max_rd_atomic` of them
+    /// are in flight. The send queue stalls there, as a HCA's does, and they go out once the
+    /// one at the front may.
+    pub(super) held: VecDeque<HeldMessage>,
     /// The PSN of the next message (from `sq_psn` at RTS).
     pub(super) next_send_seq: u32,
     /// Requester: the newest PSN the responder acknowledged (`sq_psn - 1` before any); an
@@ -270,6 +274,23 @@ impl Queues {
             .any(|e| e.outcome.is_none() && (e.response_into.is_some() || e.pulling))
     }
 
+    /// How many READs and atomics posted before the send WR `seq` (before every WR: None) are
+    /// in flight: sent, and their answer not yet come or still landing.
+    pub(super) fn reads_in_flight_before(&self, seq: Option<u32>) -> usize {
+        self.sq
+            .iter()
+            .take_while(|e| Some(e.seq) != seq)
+            .filter(|e| e.outcome.is_none() && (e.response_into.is_some() || e.pulling))
+            .count()
+    }
+
+    /// How many READs and atomics the requester may have in flight: `max_rd_atomic` (the
+    /// initiator depth), and one where it is 0, as mlx4 and mlx5 program their HCAs (the
+    /// log2 of the depth, 0 for both 0 and 1).
+    pub(super) fn read_credits(&self) -> usize {
+        usize::from(self.attrs.max_rd_atomic.max(1))
+    }
+
     /// The queues of a new QP (RESET).
     pub(super) fn new() -> Queues {
         Queues {
@@ -281,7 +302,7 @@ impl Queues {
             },
             peer: None,
             sq: VecDeque::new(),
-            fenced: VecDeque::new(),
+            held: VecDeque::new(),
             next_send_seq: 0,
             acked_psn: wire::PSN_MASK,
             timer: super::timer::Timer::default(),

@@ -8,7 +8,7 @@ use super::super::mr::{KeyCache, local_spans_cached};
 use super::super::qp_state::{QpState, QpType};
 use super::super::work::{SendOpcode, SendRequest, WcStatus, WorkCompletion};
 use super::super::{VerbsError, device};
-use super::queues::{DataMessage, Fenced, Queues, SendEntry};
+use super::queues::{DataMessage, HeldMessage, Queues, SendEntry};
 use super::{QueuePair, unreliable};
 use crate::engine::direct::{self, AtomicOp, DirectAccess};
 use crate::engine::wire::{self, Header, Op};
@@ -337,11 +337,16 @@ impl QueuePair {
         if let Some(done) = self.try_direct(q, req, op, length) {
             return Ok(done);
         }
-        // IBV_SEND_FENCE: this WR's message waits until the READs and atomics posted before
-        // it completed, and a WR posted behind a waiting one waits too (the QP's messages go
-        // in post order). Its ACK to carry stays owed meanwhile.
+        // The send queue stalls, as a HCA's does, at a fenced WR (IBV_SEND_FENCE) until the
+        // READs and atomics posted before it completed, and at a READ or atomic while
+        // `max_rd_atomic` of them are in flight (the initiator depth); a WR posted
+        // behind a waiting one waits too (the QP's messages go in post order). Its ACK to carry
+        // stays owed meanwhile.
+        let read_or_atomic = matches!(op, Op::ReadRequest | Op::Atomic);
         let held = self.qp_type.reliable()
-            && (!q.fenced.is_empty() || (req.fence && q.reads_outstanding_before(None)));
+            && (!q.held.is_empty()
+                || (req.fence && q.reads_outstanding_before(None))
+                || (read_or_atomic && q.reads_in_flight_before(None) >= q.read_credits()));
         let seq = q.next_send_seq;
         q.next_send_seq = wire::psn_add(seq, 1);
         q.sq.push_back(SendEntry {
@@ -510,13 +515,14 @@ impl QueuePair {
         };
         if held {
             tracing::debug!(
-                "qp {:#x}: wr_id {} waits behind a fence ({} waiting)",
+                "qp {:#x}: wr_id {} held in the send queue ({} held)",
                 self.qp_num,
                 req.wr_id,
-                q.fenced.len() + 1
+                q.held.len() + 1
             );
-            q.fenced.push_back(Fenced {
+            q.held.push_back(HeldMessage {
                 fence: req.fence,
+                read_or_atomic,
                 message,
             });
             return Ok(None);

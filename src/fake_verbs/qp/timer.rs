@@ -224,8 +224,8 @@ impl QueuePair {
         };
         let mut sent = 0u32;
         q.timer.resend_from = None;
-        // Messages held back by a fence were never sent: they go when the fence is passed.
-        let held_from = q.fenced.front().map(|f| f.message.seq);
+        // Messages the send queue holds back were never sent: they go when it moves on.
+        let held_from = q.held.front().map(|h| h.message.seq);
         for e in
             q.sq.iter()
                 .filter(|e| e.unanswered() && from.is_none_or(|p| !psn_before(e.seq, p)))

@@ -108,7 +108,7 @@ impl QueuePair {
             QpState::Reset => {
                 release_kept(q);
                 q.sq.clear();
-                q.fenced.clear();
+                q.held.clear();
                 q.rq.clear();
                 self.reset_receive_ring(q);
                 self.send_cq.discard_qp(self.qp_num);
