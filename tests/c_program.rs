@@ -202,17 +202,20 @@ fn a_fenced_wr_waits_for_the_reads_and_atomics_posted_before_it() {
 /// depth 1, and at depth 0 (one, as mlx4 and mlx5 allow), a READ or atomic behind an
 /// unanswered READ waits for its answer, and a WRITE posted behind it waits too, so the first
 /// READ never returns the WRITE's bytes (20 rounds of 1 MiB each; it returned them in the
-/// first round before the depth was kept); a READ and a WRITE held behind a READ the stopped
-/// responder never answers are flushed unsent, the retransmission timer included. Every
-/// completion's fields are checked. `UGDR_DIRECT=off`: on one host the direct path completes a
-/// READ at post time.
+/// first round before the depth was kept); a READ held behind a 128 MiB READ whose answer the
+/// stopped responder leaves half-landed for 600 ms is not timed out (it was never sent; it
+/// expired before the timer passed over held WRs); a READ and a WRITE held behind a READ the
+/// stopped responder never answers are flushed unsent, the retransmission timer included.
+/// Every completion's fields are checked. `UGDR_DIRECT=off`: on one host the direct path
+/// completes a READ at post time; `UCX_TLS=tcp`: over shared memory the requester pulls a big
+/// answer itself, stopped responder or not.
 #[test]
 fn a_read_or_atomic_beyond_max_rd_atomic_waits_for_one_in_flight_to_complete() {
     let exe = build_c("initiator_depth", &["-libverbs"]);
     run_checked_under_ugdr_with(
         &exe,
         &[],
-        &[("UGDR_DIRECT", "off")],
+        &[("UGDR_DIRECT", "off"), ("UCX_TLS", "tcp")],
         "initiator_depth",
         "initiator_depth: ok",
     );

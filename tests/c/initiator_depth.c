@@ -10,23 +10,30 @@
  *      returns only the bytes from before the WRITE (without the stall the WRITE overtakes
  *      the READ's data in most rounds, as without a fence); the WRITE's bytes are there after,
  *      and the atomic fetched the value from before it;
- *   2. (depth 1) a READ the stopped responder never answers, a second READ and a WRITE held
+ *   2. (depth 1, the shortest ACK timeout) a READ of 128 MiB and a READ held behind it; once
+ *      the first bytes of the big one landed, the responder stops for 600 ms: a READ whose
+ *      answer is landing is not timed out, and neither is the one held behind it (it was
+ *      never sent), so both succeed once the responder runs again (the held one used to
+ *      expire with RETRY_EXC_ERR);
+ *   3. (depth 1) a READ the stopped responder never answers, a second READ and a WRITE held
  *      behind it: the first fails (RETRY_EXC_ERR), the others are flushed (WR_FLUSH_ERR), and
  *      once the responder runs again its memory holds no byte of the WRITE: a held WR is never
  *      sent, not even by the retransmission timer.
  * ibv_query_qp reports the depth set. Every completion's wr_id, status, opcode, qp_num and
  * byte_len is checked. Run with UGDR_DIRECT=off (the message path, as between hosts; on one
- * host the direct path completes a READ at post time). Prints "initiator_depth: ok". */
+ * host the direct path completes a READ at post time) and UCX_TLS=tcp (2. stops the answer
+ * by stopping the responder: over shared memory the requester pulls the bytes itself).
+ * Prints "initiator_depth: ok". */
 #include "responder_process.h"
 #include <stdint.h>
 
-enum { LEN = 1 << 20, SMALL = 8, DEPTHS = 2 };
+enum { LEN = 1 << 20, SMALL = 8, BIG = 128 << 20, DEPTHS = 2, QPS = DEPTHS + 1 };
 static const uint8_t depths[DEPTHS] = { 1, 0 };
 
 struct info {
     uint16_t lid;
-    uint32_t qpn[DEPTHS], rkey;
-    uint64_t addr;
+    uint32_t qpn[QPS], rkey, big_rkey;
+    uint64_t addr, big_addr;
 };
 
 static struct ibv_cq *cq;
@@ -54,6 +61,9 @@ static void expect(struct ibv_qp *qp, uint64_t id, enum ibv_wc_status status,
 
 int main(void)
 {
+    const char *direct = getenv("UGDR_DIRECT"), *tls = getenv("UCX_TLS");
+    CHECK(direct && strcmp(direct, "off") == 0 && tls && strcmp(tls, "tcp") == 0,
+          "run with UGDR_DIRECT=off UCX_TLS=tcp");
     int in, out;
     pid_t child = fork_responder(&in, &out);
 
@@ -62,8 +72,9 @@ int main(void)
     struct ibv_pd *pd = ibv_alloc_pd(ctx);
     cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
     CHECK(pd && cq, "pd/cq");
-    struct ibv_qp *qps[DEPTHS];
-    for (int d = 0; d < DEPTHS; d++) {
+    /* qps[DEPTHS]: depth 1 and the shortest ACK timeout, for 2. */
+    struct ibv_qp *qps[QPS];
+    for (int d = 0; d < QPS; d++) {
         struct ibv_qp_init_attr init = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
             .cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 } };
         qps[d] = ibv_create_qp(pd, &init);
@@ -76,15 +87,21 @@ int main(void)
     char *target = aligned_alloc(4096, LEN + SMALL);
     char *landed = malloc(LEN), *old = malloc(LEN), *new = malloc(LEN);
     uint64_t *small = malloc(SMALL);
-    CHECK(target && landed && old && new && small, "malloc");
+    /* BIG bytes the child serves in 2. and where the parent reads them to (each side only
+     * touches its own). */
+    char *big = aligned_alloc(4096, BIG);
+    CHECK(target && landed && old && new && small && big, "malloc");
     memset(target, 0x11, LEN + SMALL);
+    memset(big, child == 0 ? 0x5A : 0, BIG);
     struct ibv_mr *mt = ibv_reg_mr(pd, target, LEN + SMALL, IBV_ACCESS_LOCAL_WRITE | remote);
     struct ibv_mr *ml = ibv_reg_mr(pd, landed, LEN, IBV_ACCESS_LOCAL_WRITE);
     struct ibv_mr *mo = ibv_reg_mr(pd, old, LEN, 0), *mn = ibv_reg_mr(pd, new, LEN, 0);
     struct ibv_mr *ms = ibv_reg_mr(pd, small, SMALL, IBV_ACCESS_LOCAL_WRITE);
-    CHECK(mt && ml && mo && mn && ms, "reg_mr");
+    struct ibv_mr *mb = ibv_reg_mr(pd, big, BIG, IBV_ACCESS_LOCAL_WRITE | remote);
+    CHECK(mt && ml && mo && mn && ms && mb, "reg_mr");
 
-    struct info me = { port.lid, { qps[0]->qp_num, qps[1]->qp_num }, mt->rkey, (uintptr_t)target },
+    struct info me = { port.lid, { qps[0]->qp_num, qps[1]->qp_num, qps[2]->qp_num }, mt->rkey,
+                       mb->rkey, (uintptr_t)target, (uintptr_t)big },
                 peer;
     CHECK(write(out, &me, sizeof me) == sizeof me, "send info");
     CHECK(read(in, &peer, sizeof peer) == sizeof peer, "peer info");
@@ -96,6 +113,7 @@ int main(void)
                   attr.max_rd_atomic == depths[d],
               "query_qp: max_rd_atomic %u, set %u", attr.max_rd_atomic, depths[d]);
     }
+    to_rts_with_depth(qps[DEPTHS], peer.lid, peer.qpn[DEPTHS], remote, 1, 1);
     both_at_rts(in, out);
     if (child == 0)
         return serve_reports(in, out, target, LEN);
@@ -161,7 +179,41 @@ int main(void)
         }
     }
 
-    /* 2. The responder's memory now starts and ends with the last round's WRITE (0xB0 + 19). */
+    /* 2. */
+    {
+        struct ibv_qp *qp = qps[DEPTHS];
+        struct ibv_sge s_big = { (uintptr_t)big, BIG, mb->lkey };
+        struct ibv_send_wr r_big = { .wr_id = 20, .sg_list = &s_big, .num_sge = 1,
+                                     .opcode = IBV_WR_RDMA_READ, .send_flags = IBV_SEND_SIGNALED },
+            r_small = { .wr_id = 21, .sg_list = &s_small, .num_sge = 1, .opcode = IBV_WR_RDMA_READ,
+                        .send_flags = IBV_SEND_SIGNALED };
+        r_big.wr.rdma.remote_addr = peer.big_addr;
+        r_big.wr.rdma.rkey = peer.big_rkey;
+        r_small.wr.rdma.remote_addr = peer.addr + LEN;
+        r_small.wr.rdma.rkey = peer.rkey;
+        r_big.next = &r_small;
+        *small = 0;
+        post(qp, &r_big);
+        /* Its answer is landing once its first bytes are here: then the responder stops. */
+        struct timespec start, now;
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        while (*(volatile char *)big != 0x5A) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            CHECK(now.tv_sec - start.tv_sec < 10, "no byte of the 128 MiB READ in 10 s");
+        }
+        stop_responder();
+        /* The ACK timeout (20 ms at the least, 8 tries) would expire several times over. */
+        usleep(600 * 1000);
+        unsigned char ends[2];
+        resume_and_report(in, out, ends);
+        expect(qp, 20, IBV_WC_SUCCESS, IBV_WC_RDMA_READ, BIG);
+        expect(qp, 21, IBV_WC_SUCCESS, IBV_WC_RDMA_READ, SMALL);
+        CHECK(count_of(big, BIG, 0x5A) == BIG, "the 128 MiB READ's bytes");
+        CHECK(*small == counter, "the held READ read %#llx, the target held %#llx",
+              (unsigned long long)*small, (unsigned long long)counter);
+    }
+
+    /* 3. The responder's memory now starts and ends with the last round's WRITE (0xB0 + 19). */
     struct ibv_qp *qp = qps[0];
     stop_responder();
     memset(new, 0xDD, LEN);

@@ -139,6 +139,8 @@ impl QueuePair {
                 payload: message.payload,
                 data_seq: Some(message.seq),
             });
+            // Now it is waited for (the timer passes over held messages).
+            self.run_timer(q);
         }
     }
 

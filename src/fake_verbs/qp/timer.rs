@@ -158,8 +158,12 @@ impl QueuePair {
     }
 
     fn tick_locked(&self, q: &mut Queues, now: Instant) -> bool {
+        // Messages the send queue holds back were never sent: none is waited for (behind a
+        // READ whose answer is still landing they were the first unanswered, and expired).
+        let held_from = q.held.front().map(|h| h.message.seq);
         let (first, bytes) =
             q.sq.iter()
+                .take_while(|e| Some(e.seq) != held_from)
                 .filter(|e| e.unanswered())
                 .fold((None, 0u64), |(first, bytes), e| {
                     (first.or(Some(e.seq)), bytes + u64::from(e.byte_len))
