@@ -80,13 +80,7 @@ fn the_first_message_in_rtr_raises_comm_est_once() {
 #[test]
 fn sqd_with_notification_raises_sq_drained() {
     let lb = Loopback::rc(8);
-    let mut a = ibv_qp_attr {
-        qp_state: ibv_qp_state::IBV_QPS_SQD,
-        en_sqd_async_notify: 1,
-        ..Default::default()
-    };
-    let mask = ibv_qp_attr_mask::IBV_QP_STATE.0 | ibv_qp_attr_mask::IBV_QP_EN_SQD_ASYNC_NOTIFY.0;
-    assert_eq!(unsafe { ibv_modify_qp(lb.a, &mut a, mask as c_int) }, 0);
+    queue_sq_drained(lb.a);
     assert_eq!(qp_state(lb.a), ibv_qp_state::IBV_QPS_SQD.0);
     assert_qp_event(
         &mut next_event(lb.dev.ctx),
@@ -102,6 +96,83 @@ fn sqd_with_notification_raises_sq_drained() {
         unsafe { ibv_modify_qp(lb.b, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int,) },
         0
     );
+    assert_no_async_event(lb.dev.ctx);
+}
+
+/// SQD drains what the send queue began and begins nothing new: a WRITE and a SEND posted in
+/// SQD wait (no completion, no byte at the target, SQ_DRAINED meanwhile) until the QP is back
+/// in RTS, then both land and complete in post order with every completion field.
+#[test]
+fn wrs_posted_in_sqd_wait_for_rts() {
+    let lb = Loopback::rc(8);
+    let mut src = Buffer::new(&lb.dev, 64, LOCAL_WRITE);
+    src.data.iter_mut().for_each(|b| *b = 0xAB);
+    let dst = Buffer::new(&lb.dev, 64, LOCAL_WRITE | REMOTE_WRITE);
+    let recv = Buffer::new(&lb.dev, 64, LOCAL_WRITE);
+    assert_eq!(post_one_recv(lb.b, 30, &mut [recv.sge(0, 64)]), 0);
+    queue_sq_drained(lb.a);
+    let mut sge = [src.sge(0, 64)];
+    let mut write = rdma_wr(
+        20,
+        &mut sge,
+        ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        dst.addr(),
+        dst.rkey(),
+    );
+    assert_eq!(post_one_send(lb.a, &mut write), 0);
+    let mut sge = [src.sge(0, 16)];
+    let mut send = send_wr(
+        21,
+        &mut sge,
+        ibv_wr_opcode::IBV_WR_SEND,
+        ibv_send_flags::IBV_SEND_SIGNALED.0,
+    );
+    assert_eq!(post_one_send(lb.a, &mut send), 0);
+    // Nothing was begun: the queue is drained at once, with both WRs posted.
+    assert_qp_event(
+        &mut next_event(lb.dev.ctx),
+        ibv_event_type::IBV_EVENT_SQ_DRAINED,
+        lb.a,
+    );
+    assert_no_completion(lb.cq_a, Duration::from_millis(300));
+    assert_no_completion(lb.cq_b, Duration::ZERO);
+    let landed = |buf: &Buffer| {
+        (0..buf.data.len())
+            .filter(|&i| unsafe { std::ptr::read_volatile(buf.data.as_ptr().add(i)) } == 0xAB)
+            .count()
+    };
+    assert_eq!(landed(&dst), 0, "a WRITE posted in SQD landed");
+    let mut rts = ibv_qp_attr {
+        qp_state: ibv_qp_state::IBV_QPS_RTS,
+        ..Default::default()
+    };
+    assert_eq!(
+        unsafe { ibv_modify_qp(lb.a, &mut rts, ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int) },
+        0
+    );
+    let wcs = poll_n(lb.cq_a, 2);
+    for (wc, (id, opcode)) in wcs.iter().zip([
+        (20, ibv_wc_opcode::IBV_WC_RDMA_WRITE),
+        (21, ibv_wc_opcode::IBV_WC_SEND),
+    ]) {
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.opcode, wc.qp_num),
+            (id, ibv_wc_status::IBV_WC_SUCCESS, opcode, qp_num(lb.a))
+        );
+    }
+    let wc = poll_n(lb.cq_b, 1)[0];
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.qp_num),
+        (
+            30,
+            ibv_wc_status::IBV_WC_SUCCESS,
+            ibv_wc_opcode::IBV_WC_RECV,
+            16,
+            qp_num(lb.b)
+        )
+    );
+    assert_eq!(landed(&dst), 64);
+    assert_eq!(landed(&recv), 16);
     assert_no_async_event(lb.dev.ctx);
 }
 

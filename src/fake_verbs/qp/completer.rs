@@ -118,11 +118,12 @@ impl QueuePair {
 
     /// Sends the messages the send queue held back ([`Queues::held`]) that may go now: in
     /// post order, up to a fenced one that still waits for a READ or atomic posted before it,
-    /// or a READ or atomic for which no read credit is free. None goes from a QP that failed
-    /// (`fail_entry` and `fail` enter ERR before they release the failed WR's completion): the
-    /// flush drops them.
-    fn release_held(&self, q: &mut Queues) {
-        if q.held.is_empty() || !matches!(q.state, QpState::Rts | QpState::Sqd) {
+    /// or a READ or atomic for which no read credit is free. None goes in SQD (the send queue
+    /// begins nothing new until RTS, which sends them), nor from a QP that failed (`fail_entry`
+    /// and `fail` enter ERR before they release the failed WR's completion): the flush drops
+    /// them.
+    pub(super) fn release_held(&self, q: &mut Queues) {
+        if q.held.is_empty() || q.state != QpState::Rts {
             return;
         }
         while let Some(next) = q.held.front() {

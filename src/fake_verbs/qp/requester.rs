@@ -270,9 +270,9 @@ impl QueuePair {
         Ok(Some((op, length)))
     }
 
-    /// Posts one WR of an RC QP in RTS or SQD if it completes at post time (the same-host
-    /// direct path): under the queue lock alone, without the worker's. `Ok(false)`: not
-    /// posted, for [`QueuePair::post_send_list`] to post; an error is `ibv_post_send`'s.
+    /// Posts one WR of an RC QP in RTS if it completes at post time (the same-host direct
+    /// path): under the queue lock alone, without the worker's. `Ok(false)`: not posted, for
+    /// [`QueuePair::post_send_list`] to post; an error is `ibv_post_send`'s.
     /// Borrowed, not moved: a `SendRequest` is 232 bytes, copied twice per WR otherwise.
     pub fn post_send_at_once(&self, req: &SendRequest) -> Result<bool, VerbsError> {
         if self.qp_type != QpType::Rc {
@@ -280,7 +280,7 @@ impl QueuePair {
         }
         let mut q = self.queues();
         let same_host = q.peer.as_ref().is_some_and(|p| p.memory.is_some());
-        if !matches!(q.state, QpState::Rts | QpState::Sqd) || !same_host || !q.outbox.is_empty() {
+        if q.state != QpState::Rts || !same_host || !q.outbox.is_empty() {
             return Ok(false);
         }
         let Some((op, length)) = self.check_send(&q, req)? else {
@@ -334,17 +334,22 @@ impl QueuePair {
             // Memory-window work of this process: done now, in post order (`local.rs`).
             return self.post_local_operation(q, req);
         };
-        if let Some(done) = self.try_direct(q, req, op, length) {
+        // In SQD the send queue begins no new WR: not even one the direct path would complete
+        // at once.
+        if q.state == QpState::Rts
+            && let Some(done) = self.try_direct(q, req, op, length)
+        {
             return Ok(done);
         }
         // The send queue stalls, as a HCA's does, at a fenced WR (IBV_SEND_FENCE) until the
-        // READs and atomics posted before it completed, and at a READ or atomic while
-        // `max_rd_atomic` of them are in flight (the initiator depth); a WR posted
-        // behind a waiting one waits too (the QP's messages go in post order). Its ACK to carry
-        // stays owed meanwhile.
+        // READs and atomics posted before it completed, at a READ or atomic while
+        // `max_rd_atomic` of them are in flight (the initiator depth), and at every WR posted
+        // in SQD until the QP is back in RTS; a WR posted behind a waiting one waits too (the
+        // QP's messages go in post order). Its ACK to carry stays owed meanwhile.
         let read_or_atomic = matches!(op, Op::ReadRequest | Op::Atomic);
         let held = self.qp_type.reliable()
             && (!q.held.is_empty()
+                || q.state == QpState::Sqd
                 || (req.fence && q.reads_outstanding_before(None))
                 || (read_or_atomic && q.reads_in_flight_before(None) >= q.read_credits()));
         let seq = q.next_send_seq;

@@ -154,6 +154,8 @@ impl QueuePair {
                 }
                 q.state = QpState::Rts;
                 q.sqd_notify = false;
+                // What was posted in SQD goes now.
+                self.release_held(q);
             }
             QpState::Sqd => {
                 q.state = QpState::Sqd;
@@ -173,9 +175,15 @@ impl QueuePair {
         }
     }
 
-    /// In SQD with notification asked for: IBV_EVENT_SQ_DRAINED once no send is outstanding.
+    /// In SQD with notification asked for: IBV_EVENT_SQ_DRAINED once no WR the send queue
+    /// began is outstanding (those it holds, posted in SQD or behind a fence, it has not begun).
     pub(super) fn check_drained(&self, q: &mut Queues) {
-        if q.sqd_notify && q.state == QpState::Sqd && q.sq.is_empty() {
+        let held_from = q.held.front().map(|h| h.message.seq);
+        let outstanding =
+            q.sq.iter()
+                .take_while(|e| Some(e.seq) != held_from)
+                .any(|e| e.outcome.is_none());
+        if q.sqd_notify && q.state == QpState::Sqd && !outstanding {
             q.sqd_notify = false;
             self.raise(EVENT_SQ_DRAINED);
         }
