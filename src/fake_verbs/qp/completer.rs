@@ -140,8 +140,6 @@ impl QueuePair {
                 payload: message.payload,
                 data_seq: Some(message.seq),
             });
-            // Now it is waited for (the timer passes over held messages).
-            self.run_timer(q);
         }
     }
 

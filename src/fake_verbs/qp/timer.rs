@@ -170,6 +170,12 @@ impl QueuePair {
                 });
         let sending = matches!(q.state, QpState::Rts | QpState::Sqd) && q.peer.is_some();
         let Some(first) = first.filter(|_| sending) else {
+            if sending && !q.held.is_empty() {
+                // Only held messages wait: nothing expires, and the timer, armed when they were
+                // posted, keeps ticking, so that each is timed from the tick after its release.
+                q.timer.answered();
+                return true;
+            }
             q.timer.armed = false;
             q.timer.answered();
             q.timer.rnr_resend = None;

@@ -178,12 +178,16 @@ impl QueuePair {
     /// In SQD with notification asked for: IBV_EVENT_SQ_DRAINED once no WR the send queue
     /// began is outstanding (those it holds, posted in SQD or behind a fence, it has not begun).
     pub(super) fn check_drained(&self, q: &mut Queues) {
+        // Called on every completion: the send queue is looked through only in SQD.
+        if !q.sqd_notify || q.state != QpState::Sqd {
+            return;
+        }
         let held_from = q.held.front().map(|h| h.message.seq);
         let outstanding =
             q.sq.iter()
                 .take_while(|e| Some(e.seq) != held_from)
                 .any(|e| e.outcome.is_none());
-        if q.sqd_notify && q.state == QpState::Sqd && !outstanding {
+        if !outstanding {
             q.sqd_notify = false;
             self.raise(EVENT_SQ_DRAINED);
         }
