@@ -52,14 +52,8 @@ int main(void)
     pid_t child = fork_responder(&in, &out);
 
     struct ibv_port_attr port;
-    struct ibv_context *ctx = open_first_device(&port);
-    struct ibv_pd *pd = ibv_alloc_pd(ctx);
-    cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
-    CHECK(pd && cq, "pd/cq");
-    struct ibv_qp_init_attr init = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
-        .cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 } };
-    qp = ibv_create_qp(pd, &init);
-    CHECK(qp, "create_qp");
+    struct ibv_pd *pd = open_pd_and_cq(&port, &cq);
+    qp = rc_qp(pd, cq);
     int remote = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
     /* target (the child's): LEN bytes, TAIL more, and 8 for the atomic; the parent's own:
      * where READs land, and the bytes its WRITEs carry. */

@@ -68,18 +68,11 @@ int main(void)
     pid_t child = fork_responder(&in, &out);
 
     struct ibv_port_attr port;
-    struct ibv_context *ctx = open_first_device(&port);
-    struct ibv_pd *pd = ibv_alloc_pd(ctx);
-    cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
-    CHECK(pd && cq, "pd/cq");
+    struct ibv_pd *pd = open_pd_and_cq(&port, &cq);
     /* qps[DEPTHS]: depth 1 and the shortest ACK timeout, for 2. */
     struct ibv_qp *qps[QPS];
-    for (int d = 0; d < QPS; d++) {
-        struct ibv_qp_init_attr init = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
-            .cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 } };
-        qps[d] = ibv_create_qp(pd, &init);
-        CHECK(qps[d], "create_qp");
-    }
+    for (int d = 0; d < QPS; d++)
+        qps[d] = rc_qp(pd, cq);
     int remote = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
     /* target (the child's): LEN bytes the first READ reads and the WRITE overwrites, then
      * SMALL for the second READ and the atomic. The parent's own: where READs land, the bytes

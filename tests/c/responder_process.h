@@ -36,6 +36,27 @@ static inline pid_t fork_responder(int *in, int *out)
     return child;
 }
 
+/* This side's verbs objects: port 1's attributes in `port`, a PD, and one CQ of 64 entries in
+ * `cq`. */
+static inline struct ibv_pd *open_pd_and_cq(struct ibv_port_attr *port, struct ibv_cq **cq)
+{
+    struct ibv_context *ctx = open_first_device(port);
+    struct ibv_pd *pd = ibv_alloc_pd(ctx);
+    *cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
+    CHECK(pd && *cq, "pd/cq");
+    return pd;
+}
+
+/* An RC QP with `cq` for both queues, 16 WRs of one SGE each way. */
+static inline struct ibv_qp *rc_qp(struct ibv_pd *pd, struct ibv_cq *cq)
+{
+    struct ibv_qp_init_attr init = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+        .cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 } };
+    struct ibv_qp *qp = ibv_create_qp(pd, &init);
+    CHECK(qp, "create_qp");
+    return qp;
+}
+
 /* Both sides: wait until the other side's QPs are at RTS too. */
 static inline void both_at_rts(int in, int out)
 {

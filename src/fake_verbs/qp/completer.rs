@@ -129,7 +129,7 @@ impl QueuePair {
         while let Some(next) = q.held.front() {
             let seq = Some(next.message.seq);
             if (next.fence && q.reads_outstanding_before(seq))
-                || (next.read_or_atomic && q.reads_in_flight_before(seq) >= q.read_credits())
+                || (next.read_or_atomic && q.read_credits_taken_before(seq))
             {
                 break;
             }

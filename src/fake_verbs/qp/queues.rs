@@ -265,29 +265,45 @@ pub(super) fn release_kept(q: &mut Queues) {
 }
 
 impl Queues {
-    /// Whether a READ or atomic posted before the send WR `seq` (before every WR: None) has
-    /// not completed yet: its answer has not come, or is still landing.
-    pub(super) fn reads_outstanding_before(&self, seq: Option<u32>) -> bool {
-        self.sq
-            .iter()
-            .take_while(|e| Some(e.seq) != seq)
-            .any(|e| e.outcome.is_none() && (e.response_into.is_some() || e.pulling))
+    /// The PSN of the first message the send queue holds back ([`Queues::held`]), if any.
+    pub(super) fn first_held(&self) -> Option<u32> {
+        self.held.front().map(|h| h.message.seq)
     }
 
-    /// How many READs and atomics posted before the send WR `seq` (before every WR: None) are
-    /// in flight: sent, and their answer not yet come or still landing.
-    pub(super) fn reads_in_flight_before(&self, seq: Option<u32>) -> usize {
+    /// The send queue's entries that it began: those before the first it holds.
+    pub(super) fn begun(&self) -> impl Iterator<Item = &SendEntry> {
+        let held_from = self.first_held();
+        self.sq.iter().take_while(move |e| Some(e.seq) != held_from)
+    }
+
+    /// The READs and atomics posted before the send WR `seq` (before every WR: None) that have
+    /// not completed yet: their answer has not come, or is still landing.
+    fn reads_before(&self, seq: Option<u32>) -> impl Iterator<Item = &SendEntry> {
         self.sq
             .iter()
-            .take_while(|e| Some(e.seq) != seq)
+            .take_while(move |e| Some(e.seq) != seq)
             .filter(|e| e.outcome.is_none() && (e.response_into.is_some() || e.pulling))
-            .count()
+    }
+
+    /// Whether a READ or atomic posted before the send WR `seq` (before every WR: None) has
+    /// not completed yet.
+    pub(super) fn reads_outstanding_before(&self, seq: Option<u32>) -> bool {
+        self.reads_before(seq).next().is_some()
+    }
+
+    /// Whether no read credit is left for the send WR `seq` (None: one posted now):
+    /// [`Queues::read_credits`] READs and atomics before it have not completed. Looks no
+    /// further than that many.
+    pub(super) fn read_credits_taken_before(&self, seq: Option<u32>) -> bool {
+        self.reads_before(seq)
+            .nth(self.read_credits() - 1)
+            .is_some()
     }
 
     /// How many READs and atomics the requester may have in flight: `max_rd_atomic` (the
     /// initiator depth), and one where it is 0, as mlx4 and mlx5 program their HCAs (the
     /// log2 of the depth, 0 for both 0 and 1).
-    pub(super) fn read_credits(&self) -> usize {
+    fn read_credits(&self) -> usize {
         usize::from(self.attrs.max_rd_atomic.max(1))
     }
 

@@ -351,7 +351,7 @@ impl QueuePair {
             && (!q.held.is_empty()
                 || q.state == QpState::Sqd
                 || (req.fence && q.reads_outstanding_before(None))
-                || (read_or_atomic && q.reads_in_flight_before(None) >= q.read_credits()));
+                || (read_or_atomic && q.read_credits_taken_before(None)));
         let seq = q.next_send_seq;
         q.next_send_seq = wire::psn_add(seq, 1);
         q.sq.push_back(SendEntry {

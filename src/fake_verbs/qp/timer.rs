@@ -160,14 +160,12 @@ impl QueuePair {
     fn tick_locked(&self, q: &mut Queues, now: Instant) -> bool {
         // Messages the send queue holds back were never sent: none is waited for (behind a
         // READ whose answer is still landing they were the first unanswered, and expired).
-        let held_from = q.held.front().map(|h| h.message.seq);
-        let (first, bytes) =
-            q.sq.iter()
-                .take_while(|e| Some(e.seq) != held_from)
-                .filter(|e| e.unanswered())
-                .fold((None, 0u64), |(first, bytes), e| {
-                    (first.or(Some(e.seq)), bytes + u64::from(e.byte_len))
-                });
+        let (first, bytes) = q
+            .begun()
+            .filter(|e| e.unanswered())
+            .fold((None, 0u64), |(first, bytes), e| {
+                (first.or(Some(e.seq)), bytes + u64::from(e.byte_len))
+            });
         let sending = matches!(q.state, QpState::Rts | QpState::Sqd) && q.peer.is_some();
         let Some(first) = first.filter(|_| sending) else {
             if sending && !q.held.is_empty() {
@@ -235,7 +233,7 @@ impl QueuePair {
         let mut sent = 0u32;
         q.timer.resend_from = None;
         // Messages the send queue holds back were never sent: they go when it moves on.
-        let held_from = q.held.front().map(|h| h.message.seq);
+        let held_from = q.first_held();
         for e in
             q.sq.iter()
                 .filter(|e| e.unanswered() && from.is_none_or(|p| !psn_before(e.seq, p)))

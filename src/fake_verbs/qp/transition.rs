@@ -182,12 +182,7 @@ impl QueuePair {
         if !q.sqd_notify || q.state != QpState::Sqd {
             return;
         }
-        let held_from = q.held.front().map(|h| h.message.seq);
-        let outstanding =
-            q.sq.iter()
-                .take_while(|e| Some(e.seq) != held_from)
-                .any(|e| e.outcome.is_none());
-        if !outstanding {
+        if q.begun().all(|e| e.outcome.is_some()) {
             q.sqd_notify = false;
             self.raise(EVENT_SQ_DRAINED);
         }
